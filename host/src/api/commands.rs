@@ -1,0 +1,112 @@
+//! `POST /v1/commands/{plugin}/{command}`: the body is the command's JSON payload. An
+//! optional `Idempotency-Key` header makes a retry return the stored answer.
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use super::{error_response, AppState};
+use crate::dispatch::CommandRequest;
+
+/// The longest `Idempotency-Key` accepted.
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+pub async fn run(
+    State(state): State<AppState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let request_id = uuid::Uuid::now_v7().to_string();
+    let mut response = handle(state, path, headers, body, &request_id).await;
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+async fn handle(
+    state: AppState,
+    path: Result<Path<(String, String)>, PathRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    request_id: &str,
+) -> Response {
+    let Ok(Path((plugin, command))) = path else {
+        return error_response(StatusCode::BAD_REQUEST, "bad_request", "malformed path");
+    };
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            let status = rejection.status();
+            let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                "payload_too_large"
+            } else {
+                "bad_request"
+            };
+            return error_response(status, code, &rejection.body_text());
+        }
+    };
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let json = ct.to_str().is_ok_and(|ct| {
+            let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+            essence == "application/json" || essence.ends_with("+json")
+        });
+        if !json {
+            return error_response(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "the body must be application/json",
+            );
+        }
+    }
+    let payload = match std::str::from_utf8(&body) {
+        Ok(p) => p,
+        Err(_) => return error_response(StatusCode::BAD_REQUEST, "invalid_json", "the body is not UTF-8"),
+    };
+    if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(payload) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            &format!("the body is not valid JSON: {e}"),
+        );
+    }
+    let idempotency_key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => match v.to_str() {
+            Ok(k) if !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY => Some(k.to_string()),
+            _ => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_idempotency_key",
+                    "Idempotency-Key must be 1-255 visible ASCII characters",
+                )
+            }
+        },
+    };
+    let request = CommandRequest {
+        plugin,
+        command,
+        payload: payload.to_string(),
+        idempotency_key,
+        request_id: request_id.to_string(),
+    };
+    match state.dispatcher.run_command(request).await {
+        Ok(answer) => {
+            let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
+            let mut response = (status, [(header::CONTENT_TYPE, "application/json")], answer.body).into_response();
+            if answer.replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            response
+        }
+        Err(e) => {
+            let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, axum::Json(e.body())).into_response()
+        }
+    }
+}

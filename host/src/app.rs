@@ -1,0 +1,135 @@
+//! Wires a host together: database, runtime, plugins, dispatcher, HTTP. `obx serve` and the
+//! system tests both start hosts through [`start`].
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::{self, AppState};
+use crate::config::Config;
+use crate::db::{self, embedded::EmbeddedPostgres};
+use crate::dispatch::Dispatcher;
+use crate::outbox::OutboxSignal;
+use crate::runtime::registry::Registry;
+use crate::runtime::Runtime;
+
+/// A running host. Dropping it does not stop it; call [`Host::shutdown`].
+pub struct Host {
+    pub addr: std::net::SocketAddr,
+    pub pool: PgPool,
+    pub registry: Arc<Registry>,
+    pub runtime: Arc<Runtime>,
+    ready: Arc<AtomicBool>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<std::io::Result<()>>,
+    /// The throwaway database, when no URL was configured; stopped with the host.
+    _embedded: Option<EmbeddedPostgres>,
+}
+
+pub async fn start(config: Config) -> Result<Host> {
+    let (url, embedded) = match &config.database.url {
+        Some(url) => (url.expose().to_string(), None),
+        None => {
+            tracing::warn!("no database URL configured: starting a throwaway Postgres (its data is deleted at exit)");
+            let pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(&[]))
+                .await?
+                .context("starting the throwaway Postgres")?;
+            tracing::info!(port = pg.port(), "throwaway Postgres is up");
+            (pg.url("postgres"), Some(pg))
+        }
+    };
+    let pool = db::connect(&url, &config.database).await?;
+    db::migrate(&pool).await?;
+
+    let runtime = Runtime::new(config.limits.clone())?;
+    let registry = Arc::new(Registry::new());
+    load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
+
+    let signal = OutboxSignal::default();
+    let dispatcher = Arc::new(Dispatcher::new(pool.clone(), runtime.clone(), registry.clone(), signal));
+    let ready = Arc::new(AtomicBool::new(false));
+    let state = AppState {
+        dispatcher,
+        registry: registry.clone(),
+        pool: pool.clone(),
+        ready: ready.clone(),
+        metrics: crate::telemetry::metrics(),
+    };
+    let listener = tokio::net::TcpListener::bind(config.http.listen)
+        .await
+        .with_context(|| format!("binding {} (http.listen)", config.http.listen))?;
+    let addr = listener.local_addr()?;
+    let (stop, mut stopped) = watch::channel(false);
+    let router = api::router(state, &config.http);
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    ready.store(true, Ordering::SeqCst);
+    tracing::info!(%addr, "serving");
+    Ok(Host {
+        addr,
+        pool,
+        registry,
+        runtime,
+        ready,
+        stop,
+        server,
+        _embedded: embedded,
+    })
+}
+
+impl Host {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting requests, lets in-flight ones finish, and closes the pool.
+    pub async fn shutdown(self) -> Result<()> {
+        self.ready.store(false, Ordering::SeqCst);
+        let _ = self.stop.send(true);
+        self.server.await??;
+        self.pool.close().await;
+        Ok(())
+    }
+}
+
+/// Loads every component in `dir`. A plugin that fails is reported and skipped; the host
+/// serves the others.
+pub async fn load_plugin_dir(runtime: &Arc<Runtime>, pool: &PgPool, registry: &Registry, dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating the plugin directory {}", dir.display()))?;
+    }
+    for path in component_files(dir)? {
+        let _ = registry.load_file(runtime, pool, &path).await;
+    }
+    Ok(())
+}
+
+/// The component files of a plugin directory, in name order. Hidden files and editors'
+/// temporary files are ignored.
+pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading the plugin directory {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| is_component_file(p))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+pub fn is_component_file(path: &Path) -> bool {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    !name.starts_with('.') && name.ends_with(".wasm") && path.is_file()
+}

@@ -1,0 +1,145 @@
+//! The `obx` command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+
+#[derive(Parser)]
+#[command(
+    name = "obx",
+    version,
+    about = "Host for event-driven services: Wasm plugins, Postgres transactions, a transactional outbox"
+)]
+struct Cli {
+    /// A TOML config file. Environment variables (OBX_SECTION__KEY, DATABASE_URL) override it.
+    #[arg(long, short, global = true, env = "OBX_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the host: loads the plugins, serves the HTTP API.
+    Serve,
+    /// Applies the host's schema migrations to the configured database, then exits.
+    Migrate,
+    /// Plugin tools.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Validates a component against the obx:plugin world and prints its manifest. Offline.
+    Check {
+        file: PathBuf,
+        /// Print the manifest as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    crate::telemetry::init_logging();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Serve => {
+            let config = Config::load(cli.config.as_deref())?;
+            let host = crate::app::start(config).await?;
+            wait_for_signal().await?;
+            tracing::info!("shutting down");
+            host.shutdown().await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate => {
+            let config = Config::load(cli.config.as_deref())?;
+            let url = config
+                .database
+                .url
+                .as_ref()
+                .context("`obx migrate` needs a database: set DATABASE_URL or database.url")?;
+            let pool = crate::db::connect(url.expose(), &config.database).await?;
+            crate::db::migrate(&pool).await?;
+            println!("host schema is up to date");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugin {
+            command: PluginCommand::Check { file, json },
+        } => plugin_check(cli.config, file, json).await,
+    }
+}
+
+async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+    let runtime = crate::runtime::Runtime::new(config.limits)?;
+    match crate::runtime::loader::load(&runtime, bytes).await {
+        Ok(plugin) => {
+            let m = &plugin.manifest;
+            if json {
+                println!("{}", serde_json::to_string_pretty(m)?);
+            } else {
+                println!("{}: ok", file.display());
+                println!("  plugin        {} {}", m.name, m.version);
+                println!("  sha256        {}", plugin.sha256);
+                println!("  commands      {}", m.commands.join(", "));
+                for s in &m.subscriptions {
+                    let types = if s.event_types.is_empty() {
+                        "*".to_string()
+                    } else {
+                        s.event_types.join(", ")
+                    };
+                    println!("  subscription  {} [{types}] ({:?})", s.topic, s.mode);
+                }
+                for mig in &m.migrations {
+                    println!(
+                        "  migration     {} {} ({} statements)",
+                        mig.id,
+                        mig.name,
+                        mig.statements.len()
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("{}: {e}", file.display());
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+async fn wait_for_signal() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,280 @@
+//! Configuration: built-in defaults, then an optional TOML file, then environment
+//! variables (`OBX_SECTION__KEY`, plus the conventional `DATABASE_URL`).
+//!
+//! Every key has a default, so `obx serve` runs with no file at all. [`Config::validate`]
+//! refuses values that make no sense, naming the key. Secrets are held in [`Secret`], whose
+//! `Debug` and `Display` never show the value.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub http: HttpConfig,
+    pub database: DatabaseConfig,
+    pub plugins: PluginsConfig,
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Where the command and admin API listens. Loopback by default.
+    pub listen: SocketAddr,
+    /// The largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Requests that take longer are answered 503.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 1024 * 1024,
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `postgres://user:password@host:port/db?sslmode=...`. When absent, `obx serve` starts a
+    /// throwaway Postgres from the system's binaries (for trying OBX out, not for production).
+    pub url: Option<Secret>,
+    pub max_connections: u32,
+    /// How long a call waits for a free connection before it is refused with 503.
+    #[serde(with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: None,
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PluginsConfig {
+    /// The directory of plugin components (`*.wasm`) loaded at start.
+    pub dir: PathBuf,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        PluginsConfig {
+            dir: PathBuf::from("plugins.d"),
+        }
+    }
+}
+
+/// Limits that bound what one plugin call can cost. Each is documented in the plugin
+/// author's guide; exceeding one fails the call and rolls its transaction back.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Wall-clock budget of one handler call, Wasm and SQL together. A guest that is still
+    /// running when it passes is interrupted.
+    #[serde(with = "humantime_serde")]
+    pub call_deadline: Duration,
+    /// Linear memory a plugin instance may grow to, in bytes.
+    pub memory_bytes: u64,
+    /// The largest component file that is compiled, in bytes.
+    pub max_component_bytes: u64,
+    /// How long compiling one component may take.
+    #[serde(with = "humantime_serde")]
+    pub compile_timeout: Duration,
+    /// Events one call may emit.
+    pub max_emits_per_call: u32,
+    /// The largest event payload, and the largest command response, in bytes.
+    pub max_payload_bytes: usize,
+    /// The payload bytes of all the events one call may emit.
+    pub max_emit_bytes_per_call: usize,
+    /// Rows one query may return to a plugin.
+    pub max_rows: u32,
+    /// Postgres `statement_timeout` for plugin statements.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    /// Postgres `lock_timeout` for plugin statements.
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
+    /// Calls that run at once across all plugins; the rest wait for a slot.
+    pub max_concurrent_calls: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            call_deadline: Duration::from_secs(5),
+            memory_bytes: 128 * 1024 * 1024,
+            max_component_bytes: 128 * 1024 * 1024,
+            compile_timeout: Duration::from_secs(120),
+            max_emits_per_call: 1000,
+            max_payload_bytes: 1024 * 1024,
+            max_emit_bytes_per_call: 16 * 1024 * 1024,
+            max_rows: 10_000,
+            statement_timeout: Duration::from_secs(2),
+            lock_timeout: Duration::from_secs(1),
+            max_concurrent_calls: 256,
+        }
+    }
+}
+
+/// A configuration value that must never be shown: `Debug` and `Display` print `[redacted]`.
+#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    /// The value itself. Call it only where the value is handed to the client library.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// A configuration that could not be loaded or does not make sense. The message names the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0}")]
+    Load(String),
+    #[error("invalid value for `{key}`: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+impl Config {
+    /// Loads defaults, then `file` if given, then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(file) = file {
+            if !file.exists() {
+                return Err(ConfigError::Load(format!(
+                    "config file {} does not exist",
+                    file.display()
+                )));
+            }
+            figment = figment.merge(Toml::file(file));
+        }
+        figment = figment
+            .merge(Env::raw().only(&["DATABASE_URL"]).map(|_| "database.url".into()))
+            .merge(Env::prefixed("OBX_").split("__"));
+        let config: Config = figment.extract().map_err(|e| ConfigError::Load(describe(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Refuses values that cannot work, naming the key and the reason.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(key: &'static str, reason: &str) -> Result<(), ConfigError> {
+            Err(ConfigError::Invalid {
+                key,
+                reason: reason.to_string(),
+            })
+        }
+        let l = &self.limits;
+        if let Some(url) = &self.database.url {
+            let u = url.expose();
+            if !(u.starts_with("postgres://") || u.starts_with("postgresql://")) {
+                return invalid("database.url", "must start with postgres:// or postgresql://");
+            }
+        }
+        if self.database.max_connections < 2 {
+            return invalid("database.max_connections", "must be at least 2");
+        }
+        if self.http.max_body_bytes == 0 {
+            return invalid("http.max_body_bytes", "must be greater than 0");
+        }
+        if l.call_deadline < Duration::from_millis(10) {
+            return invalid("limits.call_deadline", "must be at least 10ms");
+        }
+        if l.memory_bytes < 1024 * 1024 {
+            return invalid("limits.memory_bytes", "must be at least 1 MiB");
+        }
+        if l.max_component_bytes == 0 {
+            return invalid("limits.max_component_bytes", "must be greater than 0");
+        }
+        if l.max_concurrent_calls == 0 {
+            return invalid("limits.max_concurrent_calls", "must be greater than 0");
+        }
+        if l.max_payload_bytes == 0 {
+            return invalid("limits.max_payload_bytes", "must be greater than 0");
+        }
+        if l.statement_timeout.is_zero() {
+            return invalid(
+                "limits.statement_timeout",
+                "must be greater than 0 (0 would disable it)",
+            );
+        }
+        if l.lock_timeout.is_zero() {
+            return invalid("limits.lock_timeout", "must be greater than 0 (0 would disable it)");
+        }
+        Ok(())
+    }
+}
+
+/// Figment's errors name the key already; keep only what helps a person fix the file.
+fn describe(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            if key.is_empty() {
+                e.kind.to_string()
+            } else {
+                format!("invalid value for `{key}`: {}", e.kind)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn secret_is_redacted() {
+        let s = Secret::new("postgres://u:hunter2@h/db");
+        assert_eq!(format!("{s:?} {s}"), "[redacted] [redacted]");
+    }
+
+    #[test]
+    fn invalid_value_names_its_key() {
+        let mut c = Config::default();
+        c.limits.statement_timeout = Duration::ZERO;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("limits.statement_timeout"), "{e}");
+    }
+}

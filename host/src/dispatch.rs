@@ -1,0 +1,436 @@
+//! Runs commands. The dispatcher owns the transaction of every call: it opens it, puts it
+//! under the plugin's role, hands it to the handler through the `sql` import, and then
+//! commits it, with the call's outbox rows and its idempotency record, only if the handler
+//! succeeded. Any other ending rolls everything back.
+//!
+//! Invariants:
+//! * One command, one transaction: domain writes, `outbox_event` rows and the
+//!   `Idempotency-Key` record commit together or not at all.
+//! * Plugin statements run between [`enter_plugin`] and [`leave_plugin`]; host statements
+//!   run outside that window, under the host's role.
+//! * A call that did not return `ok` never commits its effects.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction};
+
+use crate::outbox::{self, OutboxSignal};
+use crate::runtime::bindings::{guest, types::HandlerError};
+use crate::runtime::registry::Registry;
+use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
+
+pub struct Dispatcher {
+    pool: PgPool,
+    runtime: Arc<Runtime>,
+    registry: Arc<Registry>,
+    signal: OutboxSignal,
+}
+
+pub struct CommandRequest {
+    pub plugin: String,
+    pub command: String,
+    /// The request body: valid JSON text.
+    pub payload: String,
+    pub idempotency_key: Option<String>,
+    pub request_id: String,
+}
+
+/// A successful command, or a stored answer replayed for a repeated `Idempotency-Key`.
+#[derive(Debug)]
+pub struct CommandResponse {
+    pub status: u16,
+    /// JSON.
+    pub body: Vec<u8>,
+    pub replayed: bool,
+}
+
+/// Why a command did not succeed. Each maps to one HTTP status and one stable code; the
+/// message is safe to show to clients (no database text, no guest internals).
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("there is no plugin named {0:?}")]
+    UnknownPlugin(String),
+    #[error("plugin {plugin:?} has no command {command:?}")]
+    UnknownCommand { plugin: String, command: String },
+    #[error("{message}")]
+    Rejected { reason: String, message: String },
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("the handler failed")]
+    HandlerFailed(String),
+    #[error("the handler could not complete its transaction")]
+    Aborted(String),
+    #[error("the plugin trapped")]
+    Trapped(String),
+    #[error("the plugin exceeded its memory limit")]
+    MemoryLimit(String),
+    #[error("the handler ran past its deadline")]
+    Deadline,
+    #[error("the handler returned an invalid response")]
+    InvalidResponse(String),
+    #[error("this Idempotency-Key was used with a different request")]
+    IdempotencyKeyReused,
+    #[error("the host is at capacity; retry later")]
+    Busy,
+    #[error("the host could not reach its database")]
+    Database(#[source] anyhow::Error),
+}
+
+impl CommandError {
+    pub fn status(&self) -> u16 {
+        use CommandError::*;
+        match self {
+            UnknownPlugin(_) | UnknownCommand { .. } => 404,
+            Rejected { .. } => 409,
+            InvalidInput(_) => 400,
+            IdempotencyKeyReused => 422,
+            HandlerFailed(_) | Aborted(_) | Trapped(_) | MemoryLimit(_) | InvalidResponse(_) => 500,
+            Busy | Database(_) => 503,
+            Deadline => 504,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        use CommandError::*;
+        match self {
+            UnknownPlugin(_) => "unknown_plugin",
+            UnknownCommand { .. } => "unknown_command",
+            Rejected { .. } => "rejected",
+            InvalidInput(_) => "invalid_input",
+            HandlerFailed(_) => "handler_failed",
+            Aborted(_) => "transaction_aborted",
+            Trapped(_) => "plugin_trap",
+            MemoryLimit(_) => "memory_limit",
+            Deadline => "deadline_exceeded",
+            InvalidResponse(_) => "invalid_response",
+            IdempotencyKeyReused => "idempotency_key_reused",
+            Busy => "busy",
+            Database(_) => "database_unavailable",
+        }
+    }
+
+    /// The JSON error body clients get.
+    pub fn body(&self) -> serde_json::Value {
+        let mut error = json!({ "code": self.code(), "message": self.to_string() });
+        if let CommandError::Rejected { reason, .. } = self {
+            error["reason"] = json!(reason);
+        }
+        json!({ "error": error })
+    }
+
+    /// What the log should say: the hidden detail, for the operator.
+    fn detail(&self) -> Option<&str> {
+        use CommandError::*;
+        match self {
+            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl From<HandlerError> for CommandError {
+    fn from(e: HandlerError) -> CommandError {
+        match e {
+            HandlerError::Rejected(r) => CommandError::Rejected {
+                reason: r.code,
+                message: r.message,
+            },
+            HandlerError::InvalidInput(m) => CommandError::InvalidInput(m),
+            HandlerError::Failed(m) => CommandError::HandlerFailed(m),
+        }
+    }
+}
+
+impl From<CallError> for CommandError {
+    fn from(e: CallError) -> CommandError {
+        match e {
+            CallError::Handler(h) => h.into(),
+            CallError::Aborted(reason) => CommandError::Aborted(reason),
+            CallError::Trapped(Trap::Deadline) => CommandError::Deadline,
+            CallError::Trapped(Trap::Memory(m)) => CommandError::MemoryLimit(m),
+            CallError::Trapped(Trap::Fault(m)) => CommandError::Trapped(m),
+            CallError::Busy => CommandError::Busy,
+        }
+    }
+}
+
+fn db_error(e: impl Into<anyhow::Error>) -> CommandError {
+    let e = e.into();
+    if let Some(sqlx::Error::PoolTimedOut) = e.downcast_ref::<sqlx::Error>() {
+        return CommandError::Busy;
+    }
+    CommandError::Database(e)
+}
+
+/// The savepoint that separates a command's effects from its idempotency record.
+const HANDLER_SAVEPOINT: &str = "SAVEPOINT obx_handler";
+
+impl Dispatcher {
+    pub fn new(pool: PgPool, runtime: Arc<Runtime>, registry: Arc<Registry>, signal: OutboxSignal) -> Dispatcher {
+        Dispatcher {
+            pool,
+            runtime,
+            registry,
+            signal,
+        }
+    }
+
+    /// Runs one command in one transaction.
+    pub async fn run_command(&self, req: CommandRequest) -> Result<CommandResponse, CommandError> {
+        let started = Instant::now();
+        let result = self.run_command_inner(&req).await;
+        let outcome = match &result {
+            Ok(r) if r.replayed => "replayed",
+            Ok(_) => "ok",
+            Err(e) => e.code(),
+        };
+        metrics::counter!("obx_commands_total", "plugin" => req.plugin.clone(), "command" => req.command.clone(), "outcome" => outcome)
+            .increment(1);
+        metrics::histogram!("obx_command_duration_seconds", "plugin" => req.plugin.clone())
+            .record(started.elapsed().as_secs_f64());
+        match &result {
+            Err(e) if e.status() >= 500 => tracing::warn!(
+                plugin = %req.plugin, command = %req.command, request_id = %req.request_id,
+                code = e.code(), detail = e.detail().unwrap_or_default(), error = ?e, "command failed"
+            ),
+            Err(e) => tracing::debug!(
+                plugin = %req.plugin, command = %req.command, request_id = %req.request_id,
+                code = e.code(), "command refused"
+            ),
+            Ok(_) => {}
+        }
+        result
+    }
+
+    async fn run_command_inner(&self, req: &CommandRequest) -> Result<CommandResponse, CommandError> {
+        let plugin = self
+            .registry
+            .get(&req.plugin)
+            .ok_or_else(|| CommandError::UnknownPlugin(req.plugin.clone()))?;
+        if !plugin.manifest.commands.iter().any(|c| c == &req.command) {
+            return Err(CommandError::UnknownCommand {
+                plugin: req.plugin.clone(),
+                command: req.command.clone(),
+            });
+        }
+        let mut tx = self.pool.begin().await.map_err(db_error)?;
+
+        let idempotency = match &req.idempotency_key {
+            None => None,
+            Some(key) => {
+                let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
+                match claim_key(&mut tx, &plugin.manifest.name, key, &hash)
+                    .await
+                    .map_err(db_error)?
+                {
+                    Claim::New => {
+                        sqlx::query(HANDLER_SAVEPOINT)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db_error)?;
+                        Some((key.as_str(), hash))
+                    }
+                    Claim::Answered {
+                        request_hash,
+                        status,
+                        body,
+                    } => {
+                        let _ = tx.rollback().await;
+                        if request_hash != hash {
+                            return Err(CommandError::IdempotencyKeyReused);
+                        }
+                        return Ok(CommandResponse {
+                            status,
+                            body,
+                            replayed: true,
+                        });
+                    }
+                }
+            }
+        };
+
+        enter_plugin(&mut tx, &plugin, self.runtime.limits())
+            .await
+            .map_err(db_error)?;
+        let command = guest::Command {
+            name: req.command.clone(),
+            payload: req.payload.clone(),
+            request_id: req.request_id.clone(),
+        };
+        let CallOutput { result, tx, events } = self.runtime.handle_command(&plugin, tx, command).await;
+        let Some(mut tx) = tx else {
+            return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
+        };
+
+        let error = match result {
+            Ok(response) => match check_response(&response, self.runtime.limits().max_payload_bytes) {
+                Ok(()) => {
+                    let body = response.into_bytes();
+                    self.commit(
+                        tx,
+                        &plugin,
+                        &events,
+                        idempotency.as_ref().map(|(k, _)| (*k, 200, &body[..])),
+                    )
+                    .await?;
+                    return Ok(CommandResponse {
+                        status: 200,
+                        body,
+                        replayed: false,
+                    });
+                }
+                Err(e) => CommandError::InvalidResponse(e),
+            },
+            Err(e) => CommandError::from(e),
+        };
+
+        // A rejection or invalid input is an answer too: with an Idempotency-Key, record it
+        // (and nothing the handler did) so that a retry gets the same answer.
+        if let (Some((key, _)), CommandError::Rejected { .. } | CommandError::InvalidInput(_)) = (&idempotency, &error)
+        {
+            let body = serde_json::to_vec(&error.body()).expect("json");
+            let stored = async {
+                sqlx::query("ROLLBACK TO SAVEPOINT obx_handler")
+                    .execute(&mut *tx)
+                    .await?;
+                store_answer(&mut tx, &plugin.manifest.name, key, error.status(), &body).await?;
+                tx.commit().await
+            }
+            .await;
+            if let Err(e) = stored {
+                tracing::warn!(error = %e, "could not record the answer for an Idempotency-Key");
+            }
+            return Err(error);
+        }
+        let _ = tx.rollback().await;
+        Err(error)
+    }
+
+    async fn commit(
+        &self,
+        mut tx: Transaction<'static, Postgres>,
+        plugin: &Plugin,
+        events: &[outbox::NewEvent],
+        answer: Option<(&str, u16, &[u8])>,
+    ) -> Result<(), CommandError> {
+        leave_plugin(&mut tx).await.map_err(db_error)?;
+        outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, events)
+            .await
+            .map_err(db_error)?;
+        if let Some((key, status, body)) = answer {
+            store_answer(&mut tx, &plugin.manifest.name, key, status, body)
+                .await
+                .map_err(db_error)?;
+        }
+        tx.commit().await.map_err(db_error)?;
+        if !events.is_empty() {
+            metrics::counter!("obx_outbox_events_written_total", "plugin" => plugin.manifest.name.clone())
+                .increment(events.len() as u64);
+            self.signal.committed();
+        }
+        Ok(())
+    }
+}
+
+/// Puts the transaction under the plugin's role, schema and timeouts until [`leave_plugin`].
+/// `SET LOCAL` semantics: it all ends with the transaction, or at a rollback to a savepoint
+/// taken before it.
+pub(crate) async fn enter_plugin(
+    conn: &mut PgConnection,
+    plugin: &Plugin,
+    limits: &crate::config::Limits,
+) -> sqlx::Result<()> {
+    let ms = |d: std::time::Duration| format!("{}ms", d.as_millis());
+    // If the host ever stalls holding this transaction, Postgres ends it rather than let
+    // it pin the xmin horizon.
+    let idle = limits.call_deadline + limits.statement_timeout * 2;
+    sqlx::query(
+        "SELECT set_config('role', $1, true), set_config('search_path', $2, true), \
+                set_config('statement_timeout', $3, true), set_config('lock_timeout', $4, true), \
+                set_config('idle_in_transaction_session_timeout', $5, true)",
+    )
+    .bind(&plugin.identity.role)
+    .bind(format!("\"{}\"", plugin.identity.schema))
+    .bind(ms(limits.statement_timeout))
+    .bind(ms(limits.lock_timeout))
+    .bind(ms(idle))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Returns the transaction to the host's role and default search path.
+pub(crate) async fn leave_plugin(conn: &mut PgConnection) -> sqlx::Result<()> {
+    sqlx::query(RESET_TO_HOST).execute(conn).await?;
+    Ok(())
+}
+
+/// `RESET ROLE` and `RESET search_path` in one prepared statement.
+pub(crate) const RESET_TO_HOST: &str = "SELECT set_config('role', 'none', true), \
+     set_config('search_path', (SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'search_path'), true)";
+
+fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {
+    if response.len() > max_bytes {
+        return Err(format!(
+            "the response is {} bytes, over the limit of {max_bytes}",
+            response.len()
+        ));
+    }
+    serde_json::from_str::<serde::de::IgnoredAny>(response)
+        .map(|_| ())
+        .map_err(|e| format!("the response is not valid JSON: {e}"))
+}
+
+enum Claim {
+    /// The key is new: this request runs the handler.
+    New,
+    /// The key was used before, and this is what was answered.
+    Answered {
+        request_hash: Vec<u8>,
+        status: u16,
+        body: Vec<u8>,
+    },
+}
+
+/// Claims an `Idempotency-Key`. A concurrent request with the same key waits here, on the
+/// row lock, until the first one commits (then it replays) or rolls back (then it runs).
+async fn claim_key(conn: &mut PgConnection, plugin: &str, key: &str, hash: &[u8]) -> sqlx::Result<Claim> {
+    let inserted = sqlx::query(
+        "INSERT INTO obx.idempotency_key (plugin, key, request_hash) VALUES ($1, $2, $3) \
+         ON CONFLICT (plugin, key) DO NOTHING",
+    )
+    .bind(plugin)
+    .bind(key)
+    .bind(hash)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if inserted == 1 {
+        return Ok(Claim::New);
+    }
+    let row =
+        sqlx::query("SELECT request_hash, status, response FROM obx.idempotency_key WHERE plugin = $1 AND key = $2")
+            .bind(plugin)
+            .bind(key)
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok(Claim::Answered {
+        request_hash: row.get("request_hash"),
+        status: row.get::<Option<i16>, _>("status").unwrap_or(500) as u16,
+        body: row.get::<Option<Vec<u8>>, _>("response").unwrap_or_default(),
+    })
+}
+
+async fn store_answer(conn: &mut PgConnection, plugin: &str, key: &str, status: u16, body: &[u8]) -> sqlx::Result<()> {
+    sqlx::query("UPDATE obx.idempotency_key SET status = $3, response = $4 WHERE plugin = $1 AND key = $2")
+        .bind(plugin)
+        .bind(key)
+        .bind(status as i16)
+        .bind(body)
+        .execute(conn)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,16 @@
+//! OBX: a host process for event-driven services. Domain logic lives in WebAssembly
+//! plugins; the host owns the Postgres transaction of every command and event, and a
+//! plugin can emit events only through the transactional outbox.
+//!
+//! See ARCHITECTURE.md for the code map and the invariants.
+
+pub mod api;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod db;
+pub mod dispatch;
+pub mod outbox;
+pub mod runtime;
+pub mod sql_policy;
+pub mod telemetry;

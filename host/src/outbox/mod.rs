@@ -1,0 +1,202 @@
+//! The transactional outbox (R-DIST-OBX-1 and R-DIST-OBX-3).
+//!
+//! Invariants:
+//! * A plugin's only way to emit an event is the `outbox` import. Its events are buffered
+//!   in the call's state and written here, in the call's own transaction, only when the
+//!   handler succeeds: the domain writes and the outbox rows commit together or not at all.
+//! * Nothing in the command or event path talks to Kafka. Only the relay does, and only
+//!   about rows that are already committed.
+
+pub mod writer;
+
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+/// An event a handler emitted, validated, waiting for its transaction to commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEvent {
+    pub event_id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    /// Valid JSON text.
+    pub payload: String,
+    pub topic: String,
+    pub partition_key: String,
+}
+
+/// The fields of an event as a plugin gave them, before validation.
+pub struct RawEvent {
+    pub event_id: Option<String>,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub payload: String,
+    pub topic: String,
+    pub partition_key: Option<String>,
+}
+
+/// Why an event was refused; the message names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+/// Longest aggregate type, aggregate id, event type and partition key accepted.
+const MAX_FIELD_BYTES: usize = 1024;
+
+impl RawEvent {
+    /// Checks every field; assigns a UUIDv7 event id when none was given.
+    pub fn validate(self, max_payload_bytes: usize) -> Result<NewEvent, EventError> {
+        let event_id = match self.event_id {
+            None => Uuid::now_v7(),
+            Some(id) => {
+                Uuid::parse_str(&id).map_err(|_| EventError::Invalid(format!("event-id {id:?} is not a UUID")))?
+            }
+        };
+        for (field, value) in [
+            ("aggregate-type", &self.aggregate_type),
+            ("aggregate-id", &self.aggregate_id),
+            ("event-type", &self.event_type),
+        ] {
+            check_text_field(field, value)?;
+        }
+        if let Some(key) = &self.partition_key {
+            check_text_field("partition-key", key)?;
+        }
+        check_topic(&self.topic).map_err(EventError::Invalid)?;
+        if self.payload.len() > max_payload_bytes {
+            return Err(EventError::TooLarge(format!(
+                "payload is {} bytes, over the limit of {max_payload_bytes}",
+                self.payload.len()
+            )));
+        }
+        if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&self.payload) {
+            return Err(EventError::Invalid(format!("payload is not valid JSON: {e}")));
+        }
+        let partition_key = self.partition_key.unwrap_or_else(|| self.aggregate_id.clone());
+        Ok(NewEvent {
+            event_id,
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            event_type: self.event_type,
+            payload: self.payload,
+            topic: self.topic,
+            partition_key,
+        })
+    }
+}
+
+fn check_text_field(field: &str, value: &str) -> Result<(), EventError> {
+    if value.is_empty() {
+        return Err(EventError::Invalid(format!("{field} is empty")));
+    }
+    if value.len() > MAX_FIELD_BYTES {
+        return Err(EventError::Invalid(format!(
+            "{field} is longer than {MAX_FIELD_BYTES} bytes"
+        )));
+    }
+    if value.contains('\0') {
+        return Err(EventError::Invalid(format!("{field} contains a NUL character")));
+    }
+    Ok(())
+}
+
+/// Kafka's rule for topic names: 1 to 249 of `[a-zA-Z0-9._-]`, and not `.` or `..`.
+pub fn check_topic(topic: &str) -> Result<(), String> {
+    let legal = topic.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if topic.is_empty() || topic.len() > 249 || !legal || topic == "." || topic == ".." {
+        return Err(format!(
+            "topic {topic:?} is not a legal Kafka topic name (1-249 of a-z A-Z 0-9 . _ -)"
+        ));
+    }
+    Ok(())
+}
+
+/// Wakes the relay when this host commits outbox rows, so it need not wait for a poll.
+#[derive(Clone, Default)]
+pub struct OutboxSignal(Arc<Notify>);
+
+impl OutboxSignal {
+    pub fn committed(&self) {
+        self.0.notify_one();
+    }
+
+    pub async fn wait(&self) {
+        self.0.notified().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw() -> RawEvent {
+        RawEvent {
+            event_id: None,
+            aggregate_type: "Order".into(),
+            aggregate_id: "o-1".into(),
+            event_type: "OrderCreated".into(),
+            payload: r#"{"orderId":"o-1"}"#.into(),
+            topic: "order.events".into(),
+            partition_key: None,
+        }
+    }
+
+    #[test]
+    fn defaults_key_to_aggregate_id_and_assigns_an_id() {
+        let e = raw().validate(1024).unwrap();
+        assert_eq!(e.partition_key, "o-1");
+        assert_eq!(e.event_id.get_version_num(), 7);
+    }
+
+    #[test]
+    fn refuses_bad_fields() {
+        let cases: Vec<(RawEvent, &str)> = vec![
+            (
+                RawEvent {
+                    payload: "{nope".into(),
+                    ..raw()
+                },
+                "not valid JSON",
+            ),
+            (
+                RawEvent {
+                    topic: "bad topic".into(),
+                    ..raw()
+                },
+                "topic",
+            ),
+            (
+                RawEvent {
+                    event_type: "".into(),
+                    ..raw()
+                },
+                "event-type is empty",
+            ),
+            (
+                RawEvent {
+                    event_id: Some("x".into()),
+                    ..raw()
+                },
+                "not a UUID",
+            ),
+            (
+                RawEvent {
+                    payload: format!("\"{}\"", "a".repeat(2000)),
+                    ..raw()
+                },
+                "over the limit",
+            ),
+        ];
+        for (event, needle) in cases {
+            let e = event.validate(1024).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! The host side of each `obx:plugin` import, one file per WIT interface.
+
+mod log;
+mod outbox;
+mod sql;
+
+impl super::bindings::types::Host for super::state::CallState {}

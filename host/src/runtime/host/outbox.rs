@@ -1,0 +1,60 @@
+//! `obx:plugin/outbox`: `emit` validates an event and buffers it in the call's state. The
+//! dispatcher writes the buffer to `outbox_event` in the call's transaction when the
+//! handler succeeds, so an event exists exactly when its call committed.
+
+use crate::outbox::{EventError, RawEvent};
+use crate::runtime::bindings::outbox::{EmitError, Event, Host};
+use crate::runtime::state::CallState;
+
+impl Host for CallState {
+    fn emit(&mut self, event: Event) -> Result<String, EmitError> {
+        let result = self.try_emit(event);
+        if let Err(e) = &result {
+            let reason = match e {
+                EmitError::Invalid(m) | EmitError::Limit(m) => m,
+            };
+            self.fail(format!("emit failed: {reason}"));
+        }
+        result
+    }
+}
+
+impl CallState {
+    fn try_emit(&mut self, event: Event) -> Result<String, EmitError> {
+        if self.tx.is_none() {
+            return Err(EmitError::Invalid(
+                "emit is available only inside handle-command and handle-event".into(),
+            ));
+        }
+        let limits = &self.limits;
+        if self.events.len() >= limits.max_emits_per_call as usize {
+            return Err(EmitError::Limit(format!(
+                "a call may emit at most {} events",
+                limits.max_emits_per_call
+            )));
+        }
+        let raw = RawEvent {
+            event_id: event.event_id,
+            aggregate_type: event.aggregate_type,
+            aggregate_id: event.aggregate_id,
+            event_type: event.event_type,
+            payload: event.payload,
+            topic: event.topic,
+            partition_key: event.partition_key,
+        };
+        let event = raw.validate(limits.max_payload_bytes).map_err(|e| match e {
+            EventError::Invalid(m) => EmitError::Invalid(m),
+            EventError::TooLarge(m) => EmitError::Limit(m),
+        })?;
+        if self.event_bytes + event.payload.len() > limits.max_emit_bytes_per_call {
+            return Err(EmitError::Limit(format!(
+                "the events of one call may hold at most {} payload bytes",
+                limits.max_emit_bytes_per_call
+            )));
+        }
+        let id = event.event_id.to_string();
+        self.event_bytes += event.payload.len();
+        self.events.push(event);
+        Ok(id)
+    }
+}

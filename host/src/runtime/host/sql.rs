@@ -1,0 +1,350 @@
+//! `obx:plugin/sql`: one statement at a time on the call's transaction.
+//!
+//! Every statement passes the SQL policy first (`sql_policy`), and what runs is the text
+//! the policy printed back. Values travel only as bind parameters. The statement runs
+//! under the plugin's role and search path, which the dispatcher set with `SET LOCAL`
+//! before the call began. The first failure marks the call as unable to commit.
+
+use std::str::FromStr;
+
+use bigdecimal::BigDecimal;
+use chrono::{DateTime, NaiveDate, NaiveDateTime, SecondsFormat, Utc};
+use futures::TryStreamExt;
+use sqlx::postgres::types::Oid;
+use sqlx::postgres::{PgArgumentBuffer, PgArguments, PgDatabaseError, PgRow, PgTypeInfo, PgTypeKind, PgValueRef};
+use sqlx::{Arguments, Column, Decode, Encode, Postgres, Row, Type, TypeInfo, ValueRef};
+use uuid::Uuid;
+
+use crate::runtime::bindings::sql::{self as wit, DatabaseError, Host, RowSet, SqlError};
+use crate::runtime::bindings::types::SqlValue;
+use crate::runtime::state::CallState;
+use crate::sql_policy::PolicyError;
+
+enum Mode {
+    Query,
+    Execute,
+}
+
+enum Outcome {
+    Rows(RowSet),
+    Affected(u64),
+}
+
+impl Host for CallState {
+    async fn query(&mut self, statement: String, params: Vec<SqlValue>) -> Result<RowSet, SqlError> {
+        match self.run(&statement, params, Mode::Query).await? {
+            Outcome::Rows(rows) => Ok(rows),
+            Outcome::Affected(_) => unreachable!("query mode returns rows"),
+        }
+    }
+
+    async fn execute(&mut self, statement: String, params: Vec<SqlValue>) -> Result<u64, SqlError> {
+        match self.run(&statement, params, Mode::Execute).await? {
+            Outcome::Affected(n) => Ok(n),
+            Outcome::Rows(_) => unreachable!("execute mode returns a count"),
+        }
+    }
+}
+
+impl CallState {
+    async fn run(&mut self, statement: &str, params: Vec<SqlValue>, mode: Mode) -> Result<Outcome, SqlError> {
+        if self.tx.is_none() {
+            return Err(SqlError::Forbidden(
+                "SQL is available only inside handle-command and handle-event".into(),
+            ));
+        }
+        if self.failure.is_some() {
+            return Err(SqlError::Aborted);
+        }
+        if std::time::Instant::now() >= self.deadline {
+            self.fail("the call deadline passed during SQL");
+            return Err(SqlError::Timeout("the call deadline has passed".into()));
+        }
+        let checked = self.plugin.check_statement(statement).map_err(|e| match e {
+            PolicyError::Forbidden(m) => SqlError::Forbidden(m),
+            PolicyError::Invalid(m) => SqlError::Invalid(m),
+        })?;
+        let (args, signature) = bind_all(params).map_err(SqlError::Invalid)?;
+        // sqlx caches prepared statements by their text alone; the parameter types are part
+        // of a prepared statement, so they must be part of the text too.
+        let sql = format!("{checked} /* obx:{signature} */");
+        let max_rows = self.limits.max_rows as usize;
+        let tx = self.tx.as_mut().expect("checked above");
+        let result = match mode {
+            Mode::Execute => sqlx::query_with(&sql, args)
+                .execute(&mut **tx)
+                .await
+                .map(|r| Outcome::Affected(r.rows_affected()))
+                .map_err(map_error),
+            Mode::Query => {
+                let mut stream = sqlx::query_with(&sql, args).fetch(&mut **tx);
+                let mut rows = Vec::new();
+                let mut columns = Vec::new();
+                let mut failed = None;
+                loop {
+                    match stream.try_next().await {
+                        Ok(Some(row)) => {
+                            if rows.len() == max_rows {
+                                failed = Some(SqlError::Limit(format!(
+                                    "the query returned more than {max_rows} rows; add a LIMIT"
+                                )));
+                                break;
+                            }
+                            if columns.is_empty() {
+                                columns = describe_columns(&row);
+                            }
+                            match convert_row(&row) {
+                                Ok(values) => rows.push(values),
+                                Err(m) => {
+                                    failed = Some(SqlError::Invalid(m));
+                                    break;
+                                }
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            failed = Some(map_error(e));
+                            break;
+                        }
+                    }
+                }
+                match failed {
+                    Some(e) => Err(e),
+                    None => Ok(Outcome::Rows(RowSet { columns, rows })),
+                }
+            }
+        };
+        if let Err(e) = &result {
+            // The statement ran, or half ran: this call can only roll back now.
+            self.fail(format!("a statement failed: {}", describe(e)));
+        }
+        result
+    }
+}
+
+fn describe(e: &SqlError) -> String {
+    match e {
+        SqlError::Database(d) => format!("{} ({})", d.message, d.code),
+        SqlError::Forbidden(m) | SqlError::Invalid(m) | SqlError::Timeout(m) | SqlError::Limit(m) => m.clone(),
+        SqlError::Aborted => "aborted".into(),
+    }
+}
+
+fn map_error(e: sqlx::Error) -> SqlError {
+    match e {
+        sqlx::Error::Database(db) => {
+            let Some(pg) = db.try_downcast_ref::<PgDatabaseError>() else {
+                return SqlError::Database(DatabaseError {
+                    code: db.code().map(|c| c.into_owned()).unwrap_or_default(),
+                    message: db.message().to_string(),
+                    constraint: db.constraint().map(str::to_string),
+                });
+            };
+            match pg.code() {
+                "57014" => SqlError::Timeout("the statement timed out (statement_timeout)".into()),
+                "55P03" => SqlError::Timeout("the statement waited too long for a lock (lock_timeout)".into()),
+                code => SqlError::Database(DatabaseError {
+                    code: code.to_string(),
+                    message: pg.message().to_string(),
+                    constraint: pg.constraint().map(str::to_string),
+                }),
+            }
+        }
+        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::Encode(_) => {
+            SqlError::Invalid(e.to_string())
+        }
+        _ => SqlError::Database(DatabaseError {
+            code: "08006".into(),
+            message: "the connection to the database failed".into(),
+            constraint: None,
+        }),
+    }
+}
+
+/// SQL NULL sent with an unspecified type, so that Postgres infers it from its use.
+struct UntypedNull;
+
+impl Type<Postgres> for UntypedNull {
+    fn type_info() -> PgTypeInfo {
+        PgTypeInfo::with_oid(Oid(0))
+    }
+}
+
+impl Encode<'_, Postgres> for UntypedNull {
+    fn encode_by_ref(&self, _buf: &mut PgArgumentBuffer) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        Ok(sqlx::encode::IsNull::Yes)
+    }
+}
+
+/// Binds every parameter and returns the arguments with their type signature.
+fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
+    let mut args = PgArguments::default();
+    let mut signature = String::with_capacity(params.len());
+    for (i, value) in params.into_iter().enumerate() {
+        let n = i + 1;
+        let added = match value {
+            SqlValue::Null => add(&mut args, &mut signature, '0', UntypedNull),
+            SqlValue::Boolean(b) => add(&mut args, &mut signature, 'b', b),
+            SqlValue::Int(v) => add(&mut args, &mut signature, 'i', v),
+            SqlValue::Float(v) => add(&mut args, &mut signature, 'f', v),
+            SqlValue::Text(s) => add(&mut args, &mut signature, 't', s),
+            SqlValue::Bytes(b) => add(&mut args, &mut signature, 'y', b),
+            SqlValue::Json(s) => {
+                let v: serde_json::Value =
+                    serde_json::from_str(&s).map_err(|e| format!("parameter ${n} is not valid JSON: {e}"))?;
+                add(&mut args, &mut signature, 'j', sqlx::types::Json(v))
+            }
+            SqlValue::Uuid(s) => {
+                let v = Uuid::parse_str(&s).map_err(|_| format!("parameter ${n} ({s:?}) is not a UUID"))?;
+                add(&mut args, &mut signature, 'u', v)
+            }
+            SqlValue::Timestamp(s) => {
+                let v = DateTime::parse_from_rfc3339(&s)
+                    .map_err(|_| format!("parameter ${n} ({s:?}) is not an RFC 3339 timestamp"))?
+                    .with_timezone(&Utc);
+                add(&mut args, &mut signature, 's', v)
+            }
+            SqlValue::Date(s) => {
+                let v = NaiveDate::parse_from_str(&s, "%Y-%m-%d")
+                    .map_err(|_| format!("parameter ${n} ({s:?}) is not a YYYY-MM-DD date"))?;
+                add(&mut args, &mut signature, 'd', v)
+            }
+            SqlValue::Numeric(s) => {
+                let v = BigDecimal::from_str(&s).map_err(|_| format!("parameter ${n} ({s:?}) is not a number"))?;
+                add(&mut args, &mut signature, 'n', v)
+            }
+        };
+        added.map_err(|e| format!("parameter ${n} could not be encoded: {e}"))?;
+    }
+    Ok((args, signature))
+}
+
+fn add<'q, T>(
+    args: &mut PgArguments,
+    signature: &mut String,
+    tag: char,
+    value: T,
+) -> Result<(), sqlx::error::BoxDynError>
+where
+    T: Encode<'q, Postgres> + Type<Postgres> + 'q,
+{
+    signature.push(tag);
+    args.add(value)
+}
+
+fn describe_columns(row: &PgRow) -> Vec<wit::Column> {
+    row.columns()
+        .iter()
+        .map(|c| wit::Column {
+            name: c.name().to_string(),
+            type_name: c.type_info().name().to_lowercase(),
+        })
+        .collect()
+}
+
+fn convert_row(row: &PgRow) -> Result<Vec<SqlValue>, String> {
+    (0..row.len())
+        .map(|i| {
+            let value = row.try_get_raw(i).map_err(|e| e.to_string())?;
+            convert_value(value).map_err(|e| format!("column {} ({}): {e}", i + 1, row.columns()[i].name()))
+        })
+        .collect()
+}
+
+fn decode<'r, T: Decode<'r, Postgres>>(value: PgValueRef<'r>) -> Result<T, String> {
+    T::decode(value).map_err(|e| e.to_string())
+}
+
+fn convert_value(value: PgValueRef<'_>) -> Result<SqlValue, String> {
+    if value.is_null() {
+        return Ok(SqlValue::Null);
+    }
+    let type_info = value.type_info().into_owned();
+    Ok(match type_info.name() {
+        "BOOL" => SqlValue::Boolean(decode(value)?),
+        "INT2" => SqlValue::Int(decode::<i16>(value)?.into()),
+        "INT4" => SqlValue::Int(decode::<i32>(value)?.into()),
+        "INT8" => SqlValue::Int(decode(value)?),
+        "FLOAT4" => SqlValue::Float(decode::<f32>(value)?.into()),
+        "FLOAT8" => SqlValue::Float(decode(value)?),
+        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CHAR" => SqlValue::Text(decode(value)?),
+        "BYTEA" => SqlValue::Bytes(decode(value)?),
+        "JSON" | "JSONB" => SqlValue::Json(decode::<serde_json::Value>(value)?.to_string()),
+        "UUID" => SqlValue::Uuid(decode::<Uuid>(value)?.to_string()),
+        "TIMESTAMPTZ" => SqlValue::Timestamp(rfc3339(decode::<DateTime<Utc>>(value)?)),
+        "TIMESTAMP" => SqlValue::Timestamp(rfc3339(decode::<NaiveDateTime>(value)?.and_utc())),
+        "DATE" => SqlValue::Date(decode::<NaiveDate>(value)?.format("%Y-%m-%d").to_string()),
+        "NUMERIC" => SqlValue::Numeric(numeric_text(value.as_bytes().map_err(|e| e.to_string())?)?),
+        other => match type_info.kind() {
+            // The binary form of an enum value is its label.
+            PgTypeKind::Enum(_) => SqlValue::Text(
+                std::str::from_utf8(value.as_bytes().map_err(|e| e.to_string())?)
+                    .map_err(|e| e.to_string())?
+                    .to_string(),
+            ),
+            _ => {
+                return Err(format!(
+                    "type {} cannot be read by plugins; cast it in the statement, e.g. `col::text`",
+                    other.to_lowercase()
+                ))
+            }
+        },
+    })
+}
+
+/// Renders Postgres's binary `numeric` as Postgres renders it as text, keeping its display
+/// scale: `12.50` stays `12.50`, and no precision is lost on the way.
+fn numeric_text(bytes: &[u8]) -> Result<String, String> {
+    use std::fmt::Write;
+    let word = |i: usize| -> Result<i16, String> {
+        bytes
+            .get(i * 2..i * 2 + 2)
+            .map(|b| i16::from_be_bytes([b[0], b[1]]))
+            .ok_or("truncated numeric".to_string())
+    };
+    let (ndigits, weight, sign, dscale) = (word(0)? as usize, word(1)?, word(2)? as u16, word(3)? as u16 as usize);
+    match sign {
+        0xC000 => return Ok("NaN".into()),
+        0xD000 => return Ok("Infinity".into()),
+        0xF000 => return Ok("-Infinity".into()),
+        _ => {}
+    }
+    let digit = |d: i32| -> Result<i16, String> {
+        if d >= 0 && (d as usize) < ndigits {
+            word(4 + d as usize)
+        } else {
+            Ok(0)
+        }
+    };
+    let mut out = String::new();
+    if sign == 0x4000 {
+        out.push('-');
+    }
+    if weight < 0 {
+        out.push('0');
+    } else {
+        for d in 0..=i32::from(weight) {
+            let _ = if d == 0 {
+                write!(out, "{}", digit(d)?)
+            } else {
+                write!(out, "{:04}", digit(d)?)
+            };
+        }
+    }
+    if dscale > 0 {
+        let mut fraction = String::with_capacity(dscale + 4);
+        let mut d = i32::from(weight) + 1;
+        while fraction.len() < dscale {
+            let _ = write!(fraction, "{:04}", digit(d)?);
+            d += 1;
+        }
+        fraction.truncate(dscale);
+        out.push('.');
+        out.push_str(&fraction);
+    }
+    Ok(out)
+}
+
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}

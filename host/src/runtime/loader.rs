@@ -1,0 +1,128 @@
+//! Turns the bytes of a component file into a [`Plugin`], or says clearly why not.
+//!
+//! The steps, each with its own error: the size cap; the header (a component, not a core
+//! module or something else); compilation, off the async runtime and within a time bound;
+//! the world (the component's imports and exports must match `obx:plugin/plugin`); and the
+//! manifest, read from the component and checked, including its migrations' SQL.
+//!
+//! None of this touches the database: `obx plugin check` runs it offline.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::Component;
+
+use super::manifest::Manifest;
+use super::{bindings, CallError, Plugin, PluginIdentity, Runtime, Trap};
+
+/// Why a component was not loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("the file is {size} bytes, over the limit of {limit} bytes (limits.max_component_bytes)")]
+    TooLarge { size: u64, limit: u64 },
+    #[error("not a WebAssembly file: {0}")]
+    NotWasm(String),
+    #[error(
+        "this is a core WebAssembly module, not a component; build the plugin for \
+         wasm32-wasip2, or wrap the module with `wasm-tools component new`"
+    )]
+    CoreModule,
+    #[error("the component failed to compile: {0}")]
+    Compile(String),
+    #[error("compiling took longer than {0:?} (limits.compile_timeout)")]
+    CompileTimeout(std::time::Duration),
+    #[error("the component does not fit the obx:plugin/plugin@0.1.0 world: {0}")]
+    WrongWorld(String),
+    #[error("reading the manifest failed: {0}")]
+    Manifest(String),
+    #[error("the manifest is invalid: {0}")]
+    InvalidManifest(String),
+}
+
+/// Loads a component: checks, compiles and validates it.
+pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, LoadError> {
+    let limits = runtime.limits();
+    let size = bytes.len() as u64;
+    if size > limits.max_component_bytes {
+        return Err(LoadError::TooLarge {
+            size,
+            limit: limits.max_component_bytes,
+        });
+    }
+    check_header(&bytes)?;
+    let sha256 = hex::encode(Sha256::digest(&bytes));
+
+    let engine = runtime.engine().clone();
+    let compile = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes));
+    let component = match tokio::time::timeout(limits.compile_timeout, compile).await {
+        Err(_) => return Err(LoadError::CompileTimeout(limits.compile_timeout)),
+        Ok(Err(join)) => return Err(LoadError::Compile(format!("the compiler crashed: {join}"))),
+        Ok(Ok(Err(e))) => return Err(LoadError::Compile(format!("{e:#}"))),
+        Ok(Ok(Ok(component))) => component,
+    };
+
+    let instance_pre = runtime
+        .linker
+        .instantiate_pre(&component)
+        .map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?;
+    let pre = bindings::PluginPre::new(instance_pre).map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?;
+
+    // The manifest call runs under a placeholder identity: it has no transaction, so the
+    // identity serves only its log lines.
+    let placeholder = Manifest {
+        name: "(loading)".into(),
+        version: sha256[..12].to_string(),
+        commands: vec![],
+        subscriptions: vec![],
+        migrations: vec![],
+    };
+    let raw = runtime
+        .read_manifest(&pre, Arc::new(PluginIdentity::new(&placeholder)))
+        .await
+        .map_err(|e| match e {
+            CallError::Trapped(Trap::Deadline) => LoadError::Manifest("describe() ran past the call deadline".into()),
+            CallError::Trapped(Trap::Memory(m) | Trap::Fault(m)) => LoadError::Manifest(m),
+            other => LoadError::Manifest(format!("{other:?}")),
+        })?;
+    let mut manifest = Manifest::from(raw);
+    manifest.validate().map_err(LoadError::InvalidManifest)?;
+
+    Ok(Plugin {
+        identity: Arc::new(PluginIdentity::new(&manifest)),
+        manifest,
+        sha256,
+        loaded_at: chrono::Utc::now(),
+        pre,
+    })
+}
+
+/// The 8-byte preamble: `\0asm`, then the version and layer. Core modules are version 1,
+/// layer 0; components are layer 1.
+fn check_header(bytes: &[u8]) -> Result<(), LoadError> {
+    if bytes.len() < 8 || &bytes[0..4] != b"\0asm" {
+        return Err(LoadError::NotWasm(
+            "it does not start with the \\0asm magic bytes".into(),
+        ));
+    }
+    match (bytes[6], bytes[7]) {
+        (0, 0) => Err(LoadError::CoreModule),
+        (1, 0) => Ok(()),
+        (layer_lo, layer_hi) => Err(LoadError::NotWasm(format!(
+            "unknown layer {} in the header",
+            u16::from_le_bytes([layer_lo, layer_hi])
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_tells_modules_from_components() {
+        assert!(matches!(check_header(b"hello world"), Err(LoadError::NotWasm(_))));
+        assert!(matches!(check_header(b"\0asm\x01\0\0\0"), Err(LoadError::CoreModule)));
+        assert!(check_header(b"\0asm\x0d\0\x01\0").is_ok());
+        assert!(matches!(check_header(b"\0asm"), Err(LoadError::NotWasm(_))));
+    }
+}

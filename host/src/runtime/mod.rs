@@ -1,0 +1,335 @@
+//! The Wasm runtime: compiles plugin components and runs their handlers.
+//!
+//! One wasmtime [`Engine`] per process, with the pooling allocator and epoch interruption.
+//! Each plugin version is compiled once into a [`Plugin`] that holds its `InstancePre`.
+//! Every call gets a fresh [`Store`] holding a fresh [`CallState`], with a wall-clock
+//! deadline and a memory cap, and the Store is dropped when the call ends.
+//!
+//! Invariants:
+//! * A Store is never reused, so a Store that trapped is never reused.
+//! * Nothing a guest does makes the host panic: traps, deadline kills and limit breaches
+//!   come back as [`CallError`] values.
+//! * Plugins never see sqlx types; the host never hands a transaction to a plugin except
+//!   through the `sql` import, under the plugin's role.
+
+pub mod bindings;
+mod host;
+pub mod loader;
+pub mod manifest;
+pub mod registry;
+mod state;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use sqlx::{Postgres, Transaction};
+use tokio::sync::Semaphore;
+use wasmtime::component::{HasSelf, Linker};
+use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
+
+use self::bindings::{guest, types::HandlerError};
+pub use self::manifest::Manifest;
+use self::state::{CallState, MemoryLimitExceeded};
+use crate::config::Limits;
+use crate::outbox::NewEvent;
+use crate::sql_policy::PolicyError;
+
+/// How often the epoch advances; a runaway guest is stopped within one tick of its deadline.
+const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<CallState>,
+    limits: Arc<Limits>,
+    slots: Semaphore,
+}
+
+/// A compiled, validated plugin version, ready to be instantiated.
+pub struct Plugin {
+    pub manifest: Manifest,
+    /// Hex SHA-256 of the component file.
+    pub sha256: String,
+    pub loaded_at: chrono::DateTime<chrono::Utc>,
+    pub(crate) identity: Arc<PluginIdentity>,
+    pre: bindings::PluginPre<CallState>,
+}
+
+/// What host imports need to know about the plugin they serve.
+pub(crate) struct PluginIdentity {
+    pub name: String,
+    pub version: String,
+    pub schema: String,
+    pub role: String,
+    /// Statements already checked by the SQL policy, with their verdicts.
+    statements: Mutex<HashMap<String, Result<String, PolicyError>>>,
+}
+
+/// How many checked statements a plugin's cache keeps before it is cleared.
+const STATEMENT_CACHE_SIZE: usize = 1024;
+
+impl PluginIdentity {
+    fn new(manifest: &Manifest) -> PluginIdentity {
+        PluginIdentity {
+            name: manifest.name.clone(),
+            version: manifest.version.clone(),
+            schema: manifest.schema().to_string(),
+            role: manifest.role(),
+            statements: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Runs `sql` through the policy, remembering the verdict.
+    pub(crate) fn check_statement(&self, sql: &str) -> Result<String, PolicyError> {
+        let mut cache = self.statements.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(verdict) = cache.get(sql) {
+            return verdict.clone();
+        }
+        let verdict = crate::sql_policy::check_handler_statement(sql, &self.schema);
+        if cache.len() >= STATEMENT_CACHE_SIZE {
+            cache.clear();
+        }
+        cache.insert(sql.to_string(), verdict.clone());
+        verdict
+    }
+}
+
+/// Why a call did not succeed.
+#[derive(Debug)]
+pub enum CallError {
+    /// The handler returned an error.
+    Handler(HandlerError),
+    /// The handler returned, but the call cannot commit: a statement failed, or a limit
+    /// was reached.
+    Aborted(String),
+    /// The guest was stopped.
+    Trapped(Trap),
+    /// The call could not start: no free call slot within the deadline.
+    Busy,
+}
+
+/// How a guest was stopped.
+#[derive(Debug)]
+pub enum Trap {
+    /// It ran past the call deadline.
+    Deadline,
+    /// It tried to grow its memory past the cap.
+    Memory(String),
+    /// It trapped (unreachable, stack overflow, out-of-bounds access, ...), or
+    /// instantiation failed.
+    Fault(String),
+}
+
+/// The end of a call: its result, and what the caller must commit or roll back.
+pub struct CallOutput<T> {
+    pub result: Result<T, CallError>,
+    /// The call's transaction, if the call ended with it intact; `None` after a deadline
+    /// kill that interrupted a statement (the transaction was dropped, so it rolls back).
+    pub tx: Option<Transaction<'static, Postgres>>,
+    /// Events emitted, in order; meaningful only when `result` is `Ok`.
+    pub events: Vec<NewEvent>,
+}
+
+impl Runtime {
+    pub fn new(limits: Limits) -> Result<Arc<Runtime>> {
+        let slots = limits.max_concurrent_calls;
+        // Headroom above the call slots for manifest reads during loads.
+        let instances = slots + 32;
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(instances)
+            .total_core_instances(instances * 4)
+            .total_memories(instances * 2)
+            .total_tables(instances * 4)
+            .total_stacks(instances)
+            .max_memory_size(limits.memory_bytes as usize)
+            .table_elements(state::MAX_TABLE_ELEMENTS);
+        let mut config = wasmtime::Config::new();
+        config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .max_wasm_stack(1024 * 1024)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config)
+            .map_err(anyhow::Error::from)
+            .context("creating the Wasm engine")?;
+
+        let mut linker = Linker::<CallState>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)
+            .map_err(anyhow::Error::from)
+            .context("linking WASI")?;
+        bindings::Plugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |s| s)
+            .map_err(anyhow::Error::from)
+            .context("linking the obx imports")?;
+
+        start_epoch_ticker(&engine);
+        Ok(Arc::new(Runtime {
+            engine,
+            linker,
+            limits: Arc::new(limits),
+            slots: Semaphore::new(slots as usize),
+        }))
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Runs `handle-command` in `tx`. The caller commits or rolls back.
+    pub async fn handle_command(
+        &self,
+        plugin: &Plugin,
+        tx: Transaction<'static, Postgres>,
+        command: guest::Command,
+    ) -> CallOutput<String> {
+        let request_id = command.request_id.clone();
+        self.call(plugin, Some(tx), request_id, |p, store| {
+            Box::pin(async move { p.obx_plugin_handler().call_handle_command(store, &command).await })
+        })
+        .await
+    }
+
+    /// Runs `handle-event` in `tx`. The caller commits or rolls back.
+    pub async fn handle_event(
+        &self,
+        plugin: &Plugin,
+        tx: Transaction<'static, Postgres>,
+        event: guest::Event,
+    ) -> CallOutput<()> {
+        let request_id = event.event_id.clone();
+        self.call(plugin, Some(tx), request_id, |p, store| {
+            Box::pin(async move { p.obx_plugin_handler().call_handle_event(store, &event).await })
+        })
+        .await
+    }
+
+    /// Reads the manifest of a freshly compiled component, with no transaction.
+    async fn read_manifest(
+        &self,
+        pre: &bindings::PluginPre<CallState>,
+        identity: Arc<PluginIdentity>,
+    ) -> Result<guest::Manifest, CallError> {
+        let deadline = Instant::now() + self.limits.call_deadline;
+        let state = CallState::new(identity, self.limits.clone(), None, deadline, "manifest".into());
+        let mut store = self.store(state);
+        let outcome = async {
+            let instance = pre.instantiate_async(&mut store).await?;
+            instance.obx_plugin_handler().call_describe(&mut store).await
+        }
+        .await;
+        match outcome {
+            Ok(manifest) => Ok(manifest),
+            Err(e) => Err(CallError::Trapped(classify_trap(&store, e))),
+        }
+    }
+
+    fn store(&self, state: CallState) -> Store<CallState> {
+        let deadline = state.deadline;
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            if Instant::now() >= deadline {
+                Err(DeadlineExceeded.into())
+            } else {
+                // Give the executor a turn every tick, so a busy guest cannot hog a worker.
+                Ok(UpdateDeadline::YieldCustom(1, Box::pin(tokio::task::yield_now())))
+            }
+        });
+        store
+    }
+
+    async fn call<T, F>(
+        &self,
+        plugin: &Plugin,
+        tx: Option<Transaction<'static, Postgres>>,
+        request_id: String,
+        invoke: F,
+    ) -> CallOutput<T>
+    where
+        F: for<'a> FnOnce(
+            &'a bindings::Plugin,
+            &'a mut Store<CallState>,
+        ) -> futures::future::BoxFuture<'a, wasmtime::Result<Result<T, HandlerError>>>,
+    {
+        let limits = &self.limits;
+        let deadline = Instant::now() + limits.call_deadline;
+        let Ok(Ok(_slot)) = tokio::time::timeout(limits.call_deadline, self.slots.acquire()).await else {
+            return CallOutput {
+                result: Err(CallError::Busy),
+                tx,
+                events: Vec::new(),
+            };
+        };
+        let state = CallState::new(plugin.identity.clone(), limits.clone(), tx, deadline, request_id);
+        let mut store = self.store(state);
+        // The epoch callback stops Wasm at the deadline; statements are bounded by the
+        // statement timeout. This outer bound is a backstop for anything else.
+        let backstop = limits.call_deadline + limits.statement_timeout + Duration::from_secs(1);
+        let run = async {
+            let instance = plugin.pre.instantiate_async(&mut store).await?;
+            invoke(&instance, &mut store).await
+        };
+        let outcome = match tokio::time::timeout(backstop, run).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                // The future owned a borrow of the store only; dropping the transaction
+                // inside it rolls it back.
+                return CallOutput {
+                    result: Err(CallError::Trapped(Trap::Deadline)),
+                    tx: None,
+                    events: Vec::new(),
+                };
+            }
+        };
+        let outcome = outcome.map_err(|e| classify_trap(&store, e));
+        let state = store.into_data();
+        let result = match outcome {
+            Err(trap) => Err(CallError::Trapped(trap)),
+            Ok(Err(handler_error)) => Err(CallError::Handler(handler_error)),
+            Ok(Ok(value)) => match state.failure {
+                Some(reason) => Err(CallError::Aborted(reason)),
+                None => Ok(value),
+            },
+        };
+        CallOutput {
+            result,
+            tx: state.tx,
+            events: state.events,
+        }
+    }
+}
+
+/// The error a deadline kill carries.
+#[derive(Debug, thiserror::Error)]
+#[error("the call ran past its deadline")]
+pub struct DeadlineExceeded;
+
+fn classify_trap(store: &Store<CallState>, error: wasmtime::Error) -> Trap {
+    if error.downcast_ref::<DeadlineExceeded>().is_some() {
+        return Trap::Deadline;
+    }
+    if store.data().limiter.exceeded || error.downcast_ref::<MemoryLimitExceeded>().is_some() {
+        return Trap::Memory(format!("{error:#}"));
+    }
+    Trap::Fault(format!("{error:?}"))
+}
+
+/// Advances the engine's epoch every tick for as long as the engine exists.
+fn start_epoch_ticker(engine: &Engine) {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("obx-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        })
+        .expect("spawning the epoch thread");
+}

@@ -1,0 +1,168 @@
+//! The plugins this host serves, by name, and the state of each plugin file.
+//!
+//! Invariant: a plugin is active only after it compiled, its manifest passed the checks
+//! and its migrations were applied. Lookups take a snapshot (`ArcSwap`), so a call that
+//! has started keeps the version it started with, whatever is activated meanwhile.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use super::manifest::Subscription;
+use super::{loader, Plugin, Runtime};
+use crate::db::plugin_schema;
+
+#[derive(Default)]
+pub struct Registry {
+    active: ArcSwap<HashMap<String, Arc<Plugin>>>,
+    /// What happened to each file, by path.
+    files: Mutex<HashMap<PathBuf, FileState>>,
+}
+
+#[derive(Clone)]
+struct FileState {
+    /// The plugin this file provides, when it is active.
+    plugin: Option<String>,
+    last_error: Option<String>,
+    failed_at: Option<DateTime<Utc>>,
+}
+
+/// One line of `GET /v1/plugins`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PluginStatus {
+    pub file: String,
+    pub name: Option<String>,
+    pub version: Option<String>,
+    pub sha256: Option<String>,
+    /// `active` or `failed`.
+    pub state: &'static str,
+    pub loaded_at: Option<DateTime<Utc>>,
+    pub commands: Vec<String>,
+    pub subscriptions: Vec<Subscription>,
+    pub last_error: Option<String>,
+    pub failed_at: Option<DateTime<Utc>>,
+}
+
+impl Registry {
+    pub fn new() -> Registry {
+        Registry::default()
+    }
+
+    /// The active version of plugin `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<Plugin>> {
+        self.active.load().get(name).cloned()
+    }
+
+    /// Every active plugin.
+    pub fn plugins(&self) -> Vec<Arc<Plugin>> {
+        self.active.load().values().cloned().collect()
+    }
+
+    /// Loads one component file: compile, validate, migrate, activate. On failure the
+    /// previous version (if any) keeps serving and the error is recorded for the file.
+    pub async fn load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
+        let result = self.try_load_file(runtime, pool, path).await;
+        match &result {
+            Ok(plugin) => tracing::info!(
+                file = %path.display(), plugin = %plugin.manifest.name, version = %plugin.manifest.version,
+                sha256 = %plugin.sha256, "plugin active"
+            ),
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "plugin not loaded");
+                metrics::counter!("obx_plugin_load_failures_total").increment(1);
+                let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+                let state = files.entry(path.to_path_buf()).or_insert(FileState {
+                    plugin: None,
+                    last_error: None,
+                    failed_at: None,
+                });
+                state.last_error = Some(e.clone());
+                state.failed_at = Some(Utc::now());
+            }
+        }
+        result
+    }
+
+    async fn try_load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
+        let bytes = tokio::fs::read(path)
+            .await
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let plugin = loader::load(runtime, bytes).await.map_err(|e| e.to_string())?;
+        let name = plugin.manifest.name.clone();
+        if let Some(other) = self.file_providing(&name).filter(|other| other != path) {
+            return Err(format!("plugin {name:?} is already provided by {}", other.display()));
+        }
+        plugin_schema::prepare(pool, &plugin.manifest)
+            .await
+            .map_err(|e| e.to_string())?;
+        let plugin = Arc::new(plugin);
+        self.activate(path, plugin.clone());
+        Ok(plugin)
+    }
+
+    fn file_providing(&self, name: &str) -> Option<PathBuf> {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files
+            .iter()
+            .find(|(_, s)| s.plugin.as_deref() == Some(name))
+            .map(|(p, _)| p.clone())
+    }
+
+    fn activate(&self, path: &Path, plugin: Arc<Plugin>) {
+        let name = plugin.manifest.name.clone();
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let previous = files.insert(
+            path.to_path_buf(),
+            FileState {
+                plugin: Some(name.clone()),
+                last_error: None,
+                failed_at: None,
+            },
+        );
+        self.active.rcu(|active| {
+            let mut next = HashMap::clone(active);
+            // The file may have switched to a different plugin name.
+            if let Some(old) = previous
+                .as_ref()
+                .and_then(|p| p.plugin.as_ref())
+                .filter(|old| **old != name)
+            {
+                next.remove(old);
+            }
+            next.insert(name.clone(), plugin.clone());
+            next
+        });
+        metrics::counter!("obx_plugin_loads_total", "plugin" => name).increment(1);
+    }
+
+    /// Every plugin file and its state.
+    pub fn status(&self) -> Vec<PluginStatus> {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let active = self.active.load();
+        let mut out: Vec<PluginStatus> = files
+            .into_iter()
+            .map(|(path, state)| {
+                let plugin = state.plugin.as_ref().and_then(|n| active.get(n));
+                PluginStatus {
+                    file: path.display().to_string(),
+                    name: plugin.map(|p| p.manifest.name.clone()),
+                    version: plugin.map(|p| p.manifest.version.clone()),
+                    sha256: plugin.map(|p| p.sha256.clone()),
+                    state: if plugin.is_some() { "active" } else { "failed" },
+                    loaded_at: plugin.map(|p| p.loaded_at),
+                    commands: plugin.map(|p| p.manifest.commands.clone()).unwrap_or_default(),
+                    subscriptions: plugin.map(|p| p.manifest.subscriptions.clone()).unwrap_or_default(),
+                    last_error: state.last_error,
+                    failed_at: state.failed_at,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.file.cmp(&b.file));
+        out
+    }
+}

@@ -1,0 +1,138 @@
+//! The `obx` binary as a user runs it: `plugin check` offline, and `serve` on the embedded
+//! default (no database URL: a throwaway Postgres from the system's binaries).
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn obx() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_obx"));
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("OBX_CONFIG")
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+fn plugin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("OBX_TEST_PLUGINS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release"));
+    let path = dir.join(format!("{name}.wasm"));
+    assert!(
+        path.exists(),
+        "{} is missing: build the plugins with `cargo xtask test`",
+        path.display()
+    );
+    path
+}
+
+fn check(file: &Path) -> (bool, String, String) {
+    let out = obx().args(["plugin", "check"]).arg(file).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn plugin_check_prints_the_manifest_of_a_good_plugin() {
+    let (ok, stdout, stderr) = check(&plugin("orders"));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("orders 0.1.0"), "{stdout}");
+    assert!(stdout.contains("CreateOrder"), "{stdout}");
+
+    let out = obx()
+        .args(["plugin", "check", "--json"])
+        .arg(plugin("orders"))
+        .output()
+        .unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(manifest["name"], "orders");
+    assert_eq!(manifest["migrations"][0]["id"], 1);
+}
+
+#[test]
+fn plugin_check_refuses_what_is_not_a_plugin() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("notes.wasm");
+    std::fs::write(&text, "this is not wasm").unwrap();
+    let core = dir.path().join("core.wasm");
+    // The smallest valid core module: magic and version 1.
+    std::fs::write(&core, b"\0asm\x01\0\0\0").unwrap();
+    let truncated = dir.path().join("truncated.wasm");
+    let orders = std::fs::read(plugin("orders")).unwrap();
+    std::fs::write(&truncated, &orders[..orders.len() / 2]).unwrap();
+
+    for (file, expected) in [
+        (text, "not a WebAssembly file"),
+        (core, "core WebAssembly module, not a component"),
+        (truncated, "failed to compile"),
+        (plugin("other_world"), "does not fit the obx:plugin/plugin@0.1.0 world"),
+    ] {
+        let (ok, _, stderr) = check(&file);
+        assert!(!ok, "{} was accepted", file.display());
+        assert!(stderr.contains(expected), "{}: {stderr}", file.display());
+    }
+}
+
+#[test]
+fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
+    let plugins = tempfile::tempdir().unwrap();
+    std::fs::copy(plugin("orders"), plugins.path().join("orders.wasm")).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut child = obx()
+        .arg("serve")
+        .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+        .env("OBX_PLUGINS__DIR", plugins.path())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
+
+    let base = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = reqwest::Client::new();
+    rt.block_on(async {
+        loop {
+            if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the host did not become ready"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let r = client
+            .post(format!("{base}/v1/commands/orders/CreateOrder"))
+            .json(&serde_json::json!({ "customerId": "c-1", "amount": 10 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    });
+
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let stopping = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(15),
+            "the host did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = log.join().unwrap().join("\n");
+    assert!(status.success(), "exit status {status}; log:\n{log}");
+    assert!(log.contains("throwaway Postgres"), "{log}");
+}

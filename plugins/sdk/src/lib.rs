@@ -1,0 +1,122 @@
+//! Rust SDK for OBX plugins.
+//!
+//! It generates the bindings of the `obx:plugin/plugin` world once, re-exports them under
+//! short names, and adds conveniences for the SQL and outbox imports. A plugin implements
+//! [`Guest`] and exports it with [`export_plugin!`]:
+//!
+//! ```ignore
+//! struct MyPlugin;
+//! impl obx_sdk::Guest for MyPlugin { /* manifest, handle_command, handle_event */ }
+//! obx_sdk::export_plugin!(MyPlugin);
+//! ```
+
+// The generated code names this crate by its path, also from inside it.
+extern crate self as obx_sdk;
+
+#[doc(hidden)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../../wit",
+        world: "obx:plugin/plugin",
+        pub_export_macro: true,
+        export_macro_name: "__export_plugin",
+        default_bindings_module: "obx_sdk::bindings",
+        runtime_path: "obx_sdk::__rt::wit_bindgen::rt",
+    });
+}
+
+#[doc(hidden)]
+pub mod __rt {
+    pub use wit_bindgen;
+}
+
+/// Exports a type that implements [`Guest`] as this component's plugin.
+#[macro_export]
+macro_rules! export_plugin {
+    ($ty:ident) => {
+        $crate::bindings::__export_plugin!($ty with_types_in $crate::bindings);
+    };
+}
+
+pub use bindings::exports::obx::plugin::handler::{
+    Command, DeliveryMode, Event, Guest, Manifest, Migration, Subscription,
+};
+pub use bindings::obx::plugin::log::Level;
+pub use bindings::obx::plugin::outbox::{EmitError, Event as OutboxEvent};
+pub use bindings::obx::plugin::sql::{Column, DatabaseError, RowSet, SqlError};
+pub use bindings::obx::plugin::types::{HandlerError, Rejection, SqlValue};
+
+/// Runs a statement that returns rows, on the call's transaction.
+pub fn query(statement: &str, params: &[SqlValue]) -> Result<RowSet, SqlError> {
+    bindings::obx::plugin::sql::query(statement, params)
+}
+
+/// Runs a statement and returns how many rows it affected.
+pub fn execute(statement: &str, params: &[SqlValue]) -> Result<u64, SqlError> {
+    bindings::obx::plugin::sql::execute(statement, params)
+}
+
+/// Adds an event to the outbox of the call's transaction; returns its event id.
+pub fn emit(event: &OutboxEvent) -> Result<String, EmitError> {
+    bindings::obx::plugin::outbox::emit(event)
+}
+
+/// Writes a line to the host's log.
+pub fn log(level: Level, message: &str) {
+    bindings::obx::plugin::log::log(level, message)
+}
+
+/// A business rejection (HTTP 409).
+pub fn reject(code: &str, message: &str) -> HandlerError {
+    HandlerError::Rejected(Rejection {
+        code: code.into(),
+        message: message.into(),
+    })
+}
+
+/// Malformed input (HTTP 400).
+pub fn invalid(message: impl Into<String>) -> HandlerError {
+    HandlerError::InvalidInput(message.into())
+}
+
+impl From<SqlError> for HandlerError {
+    fn from(e: SqlError) -> HandlerError {
+        HandlerError::Failed(format!("sql: {e:?}"))
+    }
+}
+
+impl From<EmitError> for HandlerError {
+    fn from(e: EmitError) -> HandlerError {
+        HandlerError::Failed(format!("emit: {e:?}"))
+    }
+}
+
+impl RowSet {
+    /// The value in `row` of the column named `name`.
+    pub fn value(&self, row: usize, name: &str) -> Option<&SqlValue> {
+        let col = self.columns.iter().position(|c| c.name == name)?;
+        self.rows.get(row)?.get(col)
+    }
+}
+
+impl SqlValue {
+    /// The value as text, for the text-like variants (text, uuid, json, timestamp, date, numeric).
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            SqlValue::Text(s)
+            | SqlValue::Uuid(s)
+            | SqlValue::Json(s)
+            | SqlValue::Timestamp(s)
+            | SqlValue::Date(s)
+            | SqlValue::Numeric(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            SqlValue::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! A plugin for the host's system tests. Each command does something a real plugin might
+//! do by mistake or by malice, after first writing a row and emitting an event, so that a
+//! test can check that nothing of a failed call was committed.
+//!
+//! Payload: `{"id": "..."}` plus command-specific fields.
+
+use obx_sdk::{
+    emit, execute, invalid, query, reject, Command, DeliveryMode, Event, Guest, HandlerError, Manifest, Migration,
+    OutboxEvent, SqlError, SqlValue, Subscription,
+};
+use serde_json::{json, Value};
+
+struct Testbed;
+
+impl Guest for Testbed {
+    fn describe() -> Manifest {
+        Manifest {
+            name: "testbed".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            commands: [
+                "ok",
+                "reject",
+                "invalid",
+                "fail",
+                "trap",
+                "loop",
+                "oom",
+                "recurse",
+                "sql",
+                "sql_then_ok",
+                "emit",
+                "counter",
+                "respond",
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+            subscriptions: vec![Subscription {
+                topic: "testbed.events".into(),
+                event_types: vec![],
+                mode: DeliveryMode::Dedup,
+            }],
+            migrations: vec![Migration {
+                id: 1,
+                name: "items and counters".into(),
+                sql: "CREATE TABLE items (id text PRIMARY KEY, note text); \
+                      CREATE TABLE counters (name text PRIMARY KEY, n bigint NOT NULL)"
+                    .into(),
+            }],
+        }
+    }
+
+    fn handle_command(command: Command) -> Result<String, HandlerError> {
+        let p: Value = serde_json::from_str(&command.payload).map_err(|e| invalid(e.to_string()))?;
+        let id = p["id"].as_str().unwrap_or("none").to_string();
+        match command.name.as_str() {
+            "counter" => return counter(&id),
+            "sql" => return run_sql(&p),
+            "emit" => return emit_many(&id, &p),
+            "respond" => return Ok(p["body"].as_str().unwrap_or("").to_string()),
+            _ => {}
+        }
+        write_and_emit(&id)?;
+        match command.name.as_str() {
+            "ok" => Ok(json!({ "id": id }).to_string()),
+            "reject" => Err(reject("testbed-says-no", "the testbed rejects this")),
+            "invalid" => Err(invalid("the testbed finds this input invalid")),
+            "fail" => Err(HandlerError::Failed("the testbed failed, with secret internals".into())),
+            "trap" => panic!("the testbed traps"),
+            "loop" => {
+                let mut n = 0u64;
+                loop {
+                    n = std::hint::black_box(n.wrapping_add(1));
+                }
+            }
+            "oom" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(std::hint::black_box(vec![1u8; 1 << 20]));
+                }
+            }
+            "recurse" => Ok(recurse(std::hint::black_box(u64::MAX)).to_string()),
+            "sql_then_ok" => {
+                let _ignored = query("SELECT 1 / 0", &[]);
+                Ok("{}".into())
+            }
+            other => Err(invalid(format!("unknown command {other}"))),
+        }
+    }
+
+    fn handle_event(_event: Event) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+fn write_and_emit(id: &str) -> Result<(), HandlerError> {
+    execute(
+        "INSERT INTO items (id, note) VALUES ($1, 'written')",
+        &[SqlValue::Text(id.into())],
+    )?;
+    emit(&OutboxEvent {
+        event_id: None,
+        aggregate_type: "Item".into(),
+        aggregate_id: id.into(),
+        event_type: "ItemWritten".into(),
+        payload: json!({ "id": id }).to_string(),
+        topic: "testbed.events".into(),
+        partition_key: None,
+    })?;
+    Ok(())
+}
+
+fn recurse(n: u64) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    let frame = std::hint::black_box([n; 64]);
+    recurse(n - 1).wrapping_add(frame[7])
+}
+
+fn counter(name: &str) -> Result<String, HandlerError> {
+    let rows = query(
+        "INSERT INTO counters (name, n) VALUES ($1, 1) \
+         ON CONFLICT (name) DO UPDATE SET n = counters.n + 1 RETURNING n",
+        &[SqlValue::Text(name.into())],
+    )?;
+    let n = rows.value(0, "n").and_then(SqlValue::as_int).unwrap_or(-1);
+    Ok(json!({ "n": n }).to_string())
+}
+
+/// Runs `{"sql": ..., "params": [...], "mode": "query"|"execute"}`. A SQL error comes back
+/// as a rejection whose code names the error variant, so a test can see it typed.
+fn run_sql(p: &Value) -> Result<String, HandlerError> {
+    let sql = p["sql"].as_str().ok_or_else(|| invalid("sql is required"))?;
+    let params: Vec<SqlValue> = p["params"]
+        .as_array()
+        .map(|a| a.iter().map(to_sql).collect())
+        .unwrap_or_default();
+    let result = if p["mode"] == "execute" {
+        execute(sql, &params).map(|n| json!({ "affected": n }))
+    } else {
+        query(sql, &params).map(|rows| {
+            let rows: Vec<Value> = rows
+                .rows
+                .iter()
+                .map(|r| Value::Array(r.iter().map(from_sql).collect()))
+                .collect();
+            json!({ "rows": rows })
+        })
+    };
+    result.map(|v| v.to_string()).map_err(|e| {
+        let (code, message) = match e {
+            SqlError::Forbidden(m) => ("forbidden".to_string(), m),
+            SqlError::Invalid(m) => ("invalid".to_string(), m),
+            SqlError::Database(d) => (format!("database:{}", d.code), d.message),
+            SqlError::Timeout(m) => ("timeout".to_string(), m),
+            SqlError::Limit(m) => ("limit".to_string(), m),
+            SqlError::Aborted => ("aborted".to_string(), String::new()),
+        };
+        reject(&code, &message)
+    })
+}
+
+/// JSON to a parameter: null, bool, integer, float, string; `{"uuid": "..."}` and the like
+/// for the other variants.
+fn to_sql(v: &Value) -> SqlValue {
+    match v {
+        Value::Null => SqlValue::Null,
+        Value::Bool(b) => SqlValue::Boolean(*b),
+        Value::Number(n) if n.is_i64() => SqlValue::Int(n.as_i64().unwrap()),
+        Value::Number(n) => SqlValue::Float(n.as_f64().unwrap_or_default()),
+        Value::String(s) => SqlValue::Text(s.clone()),
+        Value::Object(o) => {
+            let s = |k: &str| o[k].as_str().unwrap_or_default().to_string();
+            match o.keys().next().map(String::as_str) {
+                Some("uuid") => SqlValue::Uuid(s("uuid")),
+                Some("json") => SqlValue::Json(s("json")),
+                Some("timestamp") => SqlValue::Timestamp(s("timestamp")),
+                Some("date") => SqlValue::Date(s("date")),
+                Some("numeric") => SqlValue::Numeric(s("numeric")),
+                Some("bytes") => SqlValue::Bytes(s("bytes").into_bytes()),
+                _ => SqlValue::Null,
+            }
+        }
+        Value::Array(_) => SqlValue::Null,
+    }
+}
+
+fn from_sql(v: &SqlValue) -> Value {
+    match v {
+        SqlValue::Null => Value::Null,
+        SqlValue::Boolean(b) => json!(b),
+        SqlValue::Int(i) => json!(i),
+        SqlValue::Float(f) => json!(f),
+        SqlValue::Bytes(b) => json!({ "bytes": b }),
+        SqlValue::Text(s) => json!(s),
+        SqlValue::Json(s) => json!({ "json": s }),
+        SqlValue::Uuid(s) => json!({ "uuid": s }),
+        SqlValue::Timestamp(s) => json!({ "timestamp": s }),
+        SqlValue::Date(s) => json!({ "date": s }),
+        SqlValue::Numeric(s) => json!({ "numeric": s }),
+    }
+}
+
+/// Emits `count` events (default 1) to `topic`, stopping at the first error, and answers ok.
+fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
+    let count = p["count"].as_u64().unwrap_or(1);
+    let topic = p["topic"].as_str().unwrap_or("testbed.events");
+    let payload = match p["payload_bytes"].as_u64() {
+        Some(n) => json!({ "pad": "x".repeat(n as usize) }).to_string(),
+        None => json!({ "id": id }).to_string(),
+    };
+    let mut emitted = 0u64;
+    let mut error = Value::Null;
+    for i in 0..count {
+        let event = OutboxEvent {
+            event_id: None,
+            aggregate_type: "Item".into(),
+            aggregate_id: format!("{id}-{i}"),
+            event_type: "ItemEmitted".into(),
+            payload: payload.clone(),
+            topic: topic.into(),
+            partition_key: p["key"].as_str().map(String::from),
+        };
+        match emit(&event) {
+            Ok(_) => emitted += 1,
+            Err(e) => {
+                error = json!(format!("{e:?}"));
+                break;
+            }
+        }
+    }
+    Ok(json!({ "emitted": emitted, "error": error }).to_string())
+}
+
+obx_sdk::export_plugin!(Testbed);

@@ -1,0 +1,317 @@
+//! Commands over HTTP: one transaction per command, holding the domain writes and the
+//! outbox rows together; every way a handler can fail leaves neither; idempotency keys;
+//! HTTP errors with stable codes and no leaked internals.
+
+use std::time::{Duration, Instant};
+
+use obx_tests::{spawn_host, TestHost};
+use serde_json::json;
+
+async fn rows_for(host: &TestHost, id: &str) -> (i64, i64) {
+    let items = host
+        .count(&format!("SELECT count(*) FROM testbed.items WHERE id = '{id}'"))
+        .await;
+    let events = host
+        .count(&format!(
+            "SELECT count(*) FROM obx.outbox_event WHERE aggregate_id = '{id}'"
+        ))
+        .await;
+    (items, events)
+}
+
+#[tokio::test]
+async fn create_order_commits_the_order_and_its_event_together() {
+    let host = spawn_host(&["orders"]).await;
+    let answer = host
+        .command(
+            "orders",
+            "CreateOrder",
+            json!({ "customerId": "c-1", "amount": 42.5, "items": [{ "productId": "p-1", "quantity": 2 }] }),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let order_id = answer.body["orderId"].as_str().unwrap().to_string();
+
+    let row: (String, String, String) =
+        sqlx::query_as("SELECT customer_id, amount::text, status FROM orders.orders WHERE id = $1::uuid")
+            .bind(&order_id)
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    assert_eq!(row, ("c-1".into(), "42.50".into(), "pending".into()));
+
+    let event: (
+        String,
+        String,
+        String,
+        String,
+        String,
+        serde_json::Value,
+        String,
+        String,
+        bool,
+    ) = sqlx::query_as(
+        "SELECT aggregate_type, aggregate_id, event_type, topic, partition_key, payload, plugin_name, \
+                plugin_version, published_at IS NULL \
+         FROM obx.outbox_event",
+    )
+    .fetch_one(&host.db)
+    .await
+    .unwrap();
+    assert_eq!(event.0, "Order");
+    assert_eq!(event.1, order_id);
+    assert_eq!(event.2, "OrderCreated");
+    assert_eq!(event.3, "order.events");
+    assert_eq!(event.4, order_id, "partition key = order id");
+    assert_eq!(event.5["orderId"], order_id);
+    assert_eq!(event.5["customerId"], "c-1");
+    assert_eq!(event.5["items"][0]["productId"], "p-1");
+    assert_eq!((event.6.as_str(), event.7.as_str()), ("orders", "0.1.0"));
+    assert!(event.8, "not published yet");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_business_rejection_commits_nothing() {
+    let host = spawn_host(&["orders", "testbed"]).await;
+    let id = "11111111-1111-4111-8111-111111111111";
+    let first = host
+        .command(
+            "orders",
+            "CreateOrder",
+            json!({ "orderId": id, "customerId": "c", "amount": 1 }),
+        )
+        .await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let again = host
+        .command(
+            "orders",
+            "CreateOrder",
+            json!({ "orderId": id, "customerId": "c", "amount": 1 }),
+        )
+        .await;
+    assert_eq!(again.status, 409, "{}", again.text);
+    assert_eq!(again.code(), "rejected");
+    assert_eq!(again.body["error"]["reason"], "order-exists");
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 1);
+
+    let r = host.command("testbed", "reject", json!({ "id": "r1" })).await;
+    assert_eq!((r.status, r.code()), (409, "rejected"));
+    assert_eq!(r.body["error"]["reason"], "testbed-says-no");
+    assert_eq!(rows_for(&host, "r1").await, (0, 0));
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn every_failing_ending_rolls_back_and_the_host_keeps_serving() {
+    let host = spawn_host(&["testbed"]).await;
+    let cases = [
+        ("invalid", 400, "invalid_input"),
+        ("fail", 500, "handler_failed"),
+        ("trap", 500, "plugin_trap"),
+        ("oom", 500, "memory_limit"),
+        ("recurse", 500, "plugin_trap"),
+        ("sql_then_ok", 500, "transaction_aborted"),
+        ("loop", 504, "deadline_exceeded"),
+    ];
+    for (i, (command, status, code)) in cases.into_iter().enumerate() {
+        let id = format!("case-{i}");
+        let answer = host.command("testbed", command, json!({ "id": id })).await;
+        assert_eq!(
+            (answer.status, answer.code()),
+            (status, code),
+            "{command}: {}",
+            answer.text
+        );
+        assert_eq!(rows_for(&host, &id).await, (0, 0), "{command} left rows behind");
+        assert!(
+            !answer.text.contains("secret internals"),
+            "{command} leaked: {}",
+            answer.text
+        );
+        // The host keeps serving, and the plugin too: a fresh Store per call.
+        let ok = host
+            .command("testbed", "ok", json!({ "id": format!("after-{i}") }))
+            .await;
+        assert_eq!(ok.status, 200, "after {command}: {}", ok.text);
+    }
+    assert_eq!(rows_for(&host, "after-6").await, (1, 1));
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_infinite_loop_is_stopped_within_the_deadline_plus_100ms() {
+    let host = spawn_host(&["testbed"]).await;
+    // Warm up: the first call pays for lazy initialisation.
+    assert_eq!(host.command("testbed", "ok", json!({ "id": "warm" })).await.status, 200);
+    let deadline = Duration::from_millis(1500);
+    for i in 0..3 {
+        let started = Instant::now();
+        let answer = host
+            .command("testbed", "loop", json!({ "id": format!("loop-{i}") }))
+            .await;
+        let took = started.elapsed();
+        assert_eq!(answer.code(), "deadline_exceeded");
+        assert!(took >= deadline, "stopped early: {took:?}");
+        assert!(took < deadline + Duration::from_millis(100), "stopped late: {took:?}");
+    }
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_same_idempotency_key_runs_the_handler_once() {
+    let host = spawn_host(&["testbed"]).await;
+    let first = host
+        .command_with_key("testbed", "counter", json!({ "id": "c" }), "key-1")
+        .await;
+    let second = host
+        .command_with_key("testbed", "counter", json!({ "id": "c" }), "key-1")
+        .await;
+    assert_eq!((first.status, second.status), (200, 200));
+    assert_eq!(first.body, json!({ "n": 1 }));
+    assert_eq!(second.body, json!({ "n": 1 }), "replayed, not re-run");
+    assert_eq!(second.headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(host.count("SELECT n FROM testbed.counters WHERE name = 'c'").await, 1);
+
+    // Another key runs again.
+    let third = host
+        .command_with_key("testbed", "counter", json!({ "id": "c" }), "key-2")
+        .await;
+    assert_eq!(third.body, json!({ "n": 2 }));
+
+    // The same key with another request is refused.
+    let other = host
+        .command_with_key("testbed", "counter", json!({ "id": "d" }), "key-1")
+        .await;
+    assert_eq!((other.status, other.code()), (422, "idempotency_key_reused"));
+
+    // A rejection is an answer too: it is replayed, and nothing of it was committed.
+    let r1 = host
+        .command_with_key("testbed", "reject", json!({ "id": "rk" }), "key-3")
+        .await;
+    let r2 = host
+        .command_with_key("testbed", "reject", json!({ "id": "rk" }), "key-3")
+        .await;
+    assert_eq!((r1.status, r2.status), (409, 409));
+    assert_eq!(r1.body, r2.body);
+    assert!(r2.headers.get("idempotent-replayed").is_some());
+    assert_eq!(rows_for(&host, "rk").await, (0, 0));
+
+    // A failure is not an answer: the retry runs the handler again.
+    let f1 = host
+        .command_with_key("testbed", "trap", json!({ "id": "fk" }), "key-4")
+        .await;
+    assert_eq!(f1.status, 500);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.idempotency_key WHERE key = 'key-4'")
+            .await,
+        0
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn concurrent_requests_with_one_key_run_the_handler_once() {
+    let host = spawn_host(&["testbed"]).await;
+    let host = std::sync::Arc::new(host);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let host = host.clone();
+        tasks.push(tokio::spawn(async move {
+            host.command_with_key("testbed", "counter", json!({ "id": "race" }), "race-key")
+                .await
+                .body
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), json!({ "n": 1 }));
+    }
+    assert_eq!(
+        host.count("SELECT n FROM testbed.counters WHERE name = 'race'").await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn http_errors_have_stable_codes() {
+    let host = spawn_host(&["testbed"]).await;
+    let json_ct = [("content-type", "application/json")];
+
+    let a = host.command("nope", "x", json!({})).await;
+    assert_eq!((a.status, a.code()), (404, "unknown_plugin"));
+    let a = host.command("testbed", "nope", json!({})).await;
+    assert_eq!((a.status, a.code()), (404, "unknown_command"));
+    let a = host.request("testbed", "ok", b"{not json".to_vec(), &json_ct).await;
+    assert_eq!((a.status, a.code()), (400, "invalid_json"));
+    let a = host.request("testbed", "ok", Vec::new(), &json_ct).await;
+    assert_eq!((a.status, a.code()), (400, "invalid_json"));
+    let a = host
+        .request("testbed", "ok", b"{}".to_vec(), &[("content-type", "text/plain")])
+        .await;
+    assert_eq!((a.status, a.code()), (415, "unsupported_media_type"));
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(2 * 1024 * 1024));
+    let a = host.request("testbed", "ok", big.into_bytes(), &json_ct).await;
+    assert_eq!((a.status, a.code()), (413, "payload_too_large"));
+    let long_key = "k".repeat(300);
+    let a = host
+        .command_with_key("testbed", "ok", json!({ "id": "k" }), &long_key)
+        .await;
+    assert_eq!((a.status, a.code()), (400, "invalid_idempotency_key"));
+    let a = host.command("testbed", "respond", json!({ "body": "not json" })).await;
+    assert_eq!((a.status, a.code()), (500, "invalid_response"));
+    let a = host.get("/v1/nothing-here").await;
+    assert_eq!((a.status, a.code()), (404, "not_found"));
+
+    // A failed statement's database text stays in the log.
+    let a = host.command("testbed", "sql_then_ok", json!({ "id": "z" })).await;
+    assert!(!a.text.to_lowercase().contains("division by zero"), "{}", a.text);
+
+    let health = host.get("/healthz").await;
+    assert_eq!(health.status, 200);
+    let ready = host.get("/readyz").await;
+    assert_eq!(ready.status, 200);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn plugins_are_listed_with_their_manifest() {
+    let host = spawn_host(&["orders", "testbed"]).await;
+    let a = host.get("/v1/plugins").await;
+    assert_eq!(a.status, 200);
+    let plugins = a.body["plugins"].as_array().unwrap();
+    let orders = plugins.iter().find(|p| p["name"] == "orders").expect("orders listed");
+    assert_eq!(orders["state"], "active");
+    assert_eq!(orders["version"], "0.1.0");
+    assert_eq!(orders["commands"], json!(["CreateOrder"]));
+    assert_eq!(orders["sha256"].as_str().unwrap().len(), 64);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn plugin_migrations_are_recorded_and_a_changed_one_is_refused() {
+    let host = spawn_host(&["orders"]).await;
+    let recorded = host
+        .count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'orders' AND id = 1")
+        .await;
+    assert_eq!(recorded, 1);
+    // Pretend the applied migration had other text: a reload must refuse the plugin.
+    sqlx::query("UPDATE obx.plugin_migration SET checksum = '\\x00' WHERE plugin = 'orders'")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let path = host.plugin_dir.path().join("orders.wasm");
+    let err = host
+        .host
+        .registry
+        .load_file(&host.host.runtime, &host.host.pool, &path)
+        .await
+        .err()
+        .expect("a changed migration must be refused");
+    assert!(err.contains("migration 1 (orders) was changed"), "{err}");
+    // The version that was serving keeps serving.
+    let a = host
+        .command("orders", "CreateOrder", json!({ "customerId": "c", "amount": 3 }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    host.shutdown().await;
+}

@@ -1,0 +1,228 @@
+//! The one place that knows how to start what the system tests need: a Postgres server,
+//! a database per test, the plugin components, and hosts that serve them.
+//!
+//! * Postgres: `OBX_TEST_DATABASE_URL` (an admin URL to an existing server) if set,
+//!   otherwise one throwaway cluster per test process, started from the system's binaries.
+//!   Every test gets a database of its own.
+//! * Plugins: built by `cargo xtask test` into `plugins/target/wasm32-wasip2/release/`
+//!   (or `OBX_TEST_PLUGINS_DIR`).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use obx::config::{Config, Secret};
+use obx::db::embedded::EmbeddedPostgres;
+use serde_json::Value;
+use sqlx::PgPool;
+
+/// A Postgres server for this test process.
+struct Server {
+    admin_url: String,
+    /// `postgres://user@host:port` without a database, to build per-test URLs.
+    base: String,
+    _embedded: Option<EmbeddedPostgres>,
+}
+
+fn server() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        if let Ok(url) = std::env::var("OBX_TEST_DATABASE_URL") {
+            let base = url
+                .rsplit_once('/')
+                .map(|(b, _)| b.to_string())
+                .expect("URL with a database");
+            return Server {
+                admin_url: url,
+                base,
+                _embedded: None,
+            };
+        }
+        let pg = EmbeddedPostgres::start(&[]).expect("starting a throwaway Postgres for the tests");
+        let admin_url = pg.url("postgres");
+        let base = format!("postgres://postgres@127.0.0.1:{}", pg.port());
+        Server {
+            admin_url,
+            base,
+            _embedded: Some(pg),
+        }
+    })
+}
+
+/// Creates an empty database for one test and returns its URL.
+pub async fn fresh_database() -> String {
+    let server = server();
+    let name = format!("obx_test_{}", uuid::Uuid::new_v4().simple());
+    let admin = PgPool::connect(&server.admin_url)
+        .await
+        .expect("connecting to the test server");
+    sqlx::raw_sql(&format!("CREATE DATABASE {name}"))
+        .execute(&admin)
+        .await
+        .expect("CREATE DATABASE");
+    admin.close().await;
+    format!("{}/{name}", server.base)
+}
+
+/// The compiled component of example or test plugin `name`.
+pub fn plugin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("OBX_TEST_PLUGINS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release"));
+    let path = dir.join(format!("{}.wasm", name.replace('-', "_")));
+    assert!(
+        path.exists(),
+        "{} is missing: the test plugins are built by `cargo xtask test` \
+         (or `cargo build --release --target wasm32-wasip2` in plugins/)",
+        path.display()
+    );
+    path
+}
+
+/// Configuration for a test host: loopback on a free port, short deadlines.
+pub fn test_config(database_url: &str, plugin_dir: &Path) -> Config {
+    let mut config = Config::default();
+    config.http.listen = "127.0.0.1:0".parse().unwrap();
+    config.database.url = Some(Secret::new(database_url));
+    config.database.max_connections = 20;
+    config.plugins.dir = plugin_dir.to_path_buf();
+    config.limits.call_deadline = Duration::from_millis(1500);
+    config.limits.memory_bytes = 64 * 1024 * 1024;
+    config
+}
+
+/// A host serving some plugins, on its own database.
+pub struct TestHost {
+    pub host: obx::app::Host,
+    pub url: String,
+    /// A pool on the host's database, for the tests' own checks (as the host's user).
+    pub db: PgPool,
+    pub plugin_dir: tempfile::TempDir,
+    client: reqwest::Client,
+}
+
+/// Starts a host on a fresh database with the given plugins in its plugin directory.
+pub async fn spawn_host(plugins: &[&str]) -> TestHost {
+    spawn_host_with(plugins, |_| {}).await
+}
+
+/// Like [`spawn_host`], with a chance to adjust the configuration.
+pub async fn spawn_host_with(plugins: &[&str], adjust: impl FnOnce(&mut Config)) -> TestHost {
+    init_logging();
+    let database_url = fresh_database().await;
+    let plugin_dir = tempfile::tempdir().unwrap();
+    for name in plugins {
+        let src = plugin(name);
+        std::fs::copy(&src, plugin_dir.path().join(src.file_name().unwrap())).unwrap();
+    }
+    let mut config = test_config(&database_url, plugin_dir.path());
+    adjust(&mut config);
+    let host = obx::app::start(config).await.expect("starting the host");
+    let db = PgPool::connect(&database_url).await.unwrap();
+    TestHost {
+        url: host.url(),
+        host,
+        db,
+        plugin_dir,
+        client: reqwest::Client::new(),
+    }
+}
+
+/// An HTTP answer: status, headers and JSON body (`Value::Null` when the body is not JSON).
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+    pub text: String,
+}
+
+impl Answer {
+    /// The stable error code of an error answer.
+    pub fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or("")
+    }
+}
+
+impl TestHost {
+    /// `POST /v1/commands/{plugin}/{command}` with a JSON body.
+    pub async fn command(&self, plugin: &str, command: &str, body: Value) -> Answer {
+        self.request(
+            plugin,
+            command,
+            body.to_string().into_bytes(),
+            &[("content-type", "application/json")],
+        )
+        .await
+    }
+
+    /// Like [`TestHost::command`], with an `Idempotency-Key`.
+    pub async fn command_with_key(&self, plugin: &str, command: &str, body: Value, key: &str) -> Answer {
+        self.request(
+            plugin,
+            command,
+            body.to_string().into_bytes(),
+            &[("content-type", "application/json"), ("idempotency-key", key)],
+        )
+        .await
+    }
+
+    /// A raw command request, for malformed bodies and headers.
+    pub async fn request(&self, plugin: &str, command: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> Answer {
+        let mut req = self
+            .client
+            .post(format!("{}/v1/commands/{plugin}/{command}", self.url))
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        into_answer(req.send().await.expect("request")).await
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        into_answer(
+            self.client
+                .get(format!("{}{path}", self.url))
+                .send()
+                .await
+                .expect("request"),
+        )
+        .await
+    }
+
+    /// A single number from the host's database.
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.db)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    pub async fn shutdown(self) {
+        self.db.close().await;
+        self.host.shutdown().await.unwrap();
+    }
+}
+
+async fn into_answer(r: reqwest::Response) -> Answer {
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let text = r.text().await.unwrap_or_default();
+    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Answer {
+        status,
+        headers,
+        body,
+        text,
+    }
+}
+
+/// Logs to the test output, filtered by `RUST_LOG` (default: warnings).
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}

@@ -1,0 +1,173 @@
+//! Developer commands, run as `cargo xtask <command>`:
+//!
+//! * `run`  — builds the example plugins and runs `obx serve` with them. Without a
+//!   `DATABASE_URL`, the host starts a throwaway Postgres.
+//! * `test` — builds the plugins and runs the whole test suite.
+//! * `plugins` — builds the plugins only.
+//!
+//! Each first makes sure what it needs is installed: the `wasm32-wasip2` target, and the
+//! Postgres server binaries (from the system's packages, when missing).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build the example plugins and run the host with them.
+    Run {
+        /// Build the host with optimisations.
+        #[arg(long)]
+        release: bool,
+        /// Arguments passed on to `obx serve`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Build the plugins and run every test.
+    Test {
+        /// Arguments passed on to `cargo test`, e.g. a test name filter.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Build the plugins (wasm32-wasip2 components).
+    Plugins,
+}
+
+/// The plugins `cargo xtask run` serves.
+const EXAMPLE_PLUGINS: &[&str] = &["orders"];
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    match cli.command {
+        Task::Plugins => build_plugins(&root).map(drop),
+        Task::Test { args } => {
+            ensure_postgres()?;
+            let plugins = build_plugins(&root)?;
+            let mut cmd = cargo();
+            cmd.current_dir(&root).args(["test", "--workspace"]).args(&args);
+            cmd.env("OBX_TEST_PLUGINS_DIR", &plugins);
+            run(&mut cmd)
+        }
+        Task::Run { release, args } => {
+            ensure_postgres()?;
+            let built = build_plugins(&root)?;
+            let dir = root.join("target/obx-run/plugins.d");
+            std::fs::create_dir_all(&dir)?;
+            for name in EXAMPLE_PLUGINS {
+                let file = format!("{name}.wasm");
+                // Copy to a temporary name, then rename: the host never sees half a file.
+                let tmp = dir.join(format!(".{file}.tmp"));
+                std::fs::copy(built.join(&file), &tmp)?;
+                std::fs::rename(&tmp, dir.join(&file))?;
+            }
+            println!("serving {} from {}", EXAMPLE_PLUGINS.join(", "), dir.display());
+            let mut cmd = cargo();
+            cmd.current_dir(&root).args(["run", "--package", "obx"]);
+            if release {
+                cmd.arg("--release");
+            }
+            cmd.args(["--", "serve"]).args(&args).env("OBX_PLUGINS__DIR", &dir);
+            run(&mut cmd)
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// Builds every guest plugin and returns the directory of the `.wasm` files.
+fn build_plugins(root: &Path) -> Result<PathBuf> {
+    ensure_wasm_target()?;
+    let plugins = root.join("plugins");
+    run(cargo()
+        .current_dir(&plugins)
+        .args(["build", "--release", "--target", "wasm32-wasip2"]))?;
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => plugins.join(dir),
+        None => plugins.join("target"),
+    };
+    Ok(target.join("wasm32-wasip2/release"))
+}
+
+fn ensure_wasm_target() -> Result<()> {
+    let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    match out {
+        Ok(out)
+            if String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|l| l.trim() == "wasm32-wasip2") =>
+        {
+            Ok(())
+        }
+        Ok(_) => run(Command::new("rustup").args(["target", "add", "wasm32-wasip2"])),
+        Err(_) => {
+            // No rustup: assume the toolchain has the target, and let cargo say otherwise.
+            eprintln!("warning: rustup not found; assuming wasm32-wasip2 is installed");
+            Ok(())
+        }
+    }
+}
+
+/// The host starts a throwaway Postgres from the system's binaries when no database URL is
+/// given; install them if they are missing (Debian and Ubuntu).
+fn ensure_postgres() -> Result<()> {
+    let found = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|dirs| dirs.flatten().any(|d| d.path().join("bin/initdb").exists()))
+        .unwrap_or(false);
+    if found || std::env::var_os("OBX_PG_BINDIR").is_some() {
+        return Ok(());
+    }
+    apt_install(&["postgresql"])
+}
+
+fn apt_install(packages: &[&str]) -> Result<()> {
+    eprintln!("installing {} with apt-get", packages.join(" "));
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc_geteuid() } == 0;
+    let apt = |args: &[&str]| -> Result<()> {
+        let mut cmd = if root {
+            Command::new("apt-get")
+        } else {
+            Command::new("sudo")
+        };
+        if !root {
+            cmd.arg("apt-get");
+        }
+        run(cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive"))
+    };
+    apt(&["update", "-qq"])?;
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    args.extend_from_slice(packages);
+    apt(&args)
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
