@@ -23,6 +23,27 @@ CREATE TABLE obx.outbox_event (
 );
 -- The relay scans only unpublished rows; a published row leaves this index.
 CREATE INDEX ix_outbox_event_unpublished ON obx.outbox_event(id) WHERE published_at IS NULL;
+-- Retention deletes by age; rows arrive in time order, so a BRIN index is tiny and enough.
+CREATE INDEX ix_outbox_event_created_at ON obx.outbox_event USING brin (created_at);
+
+-- The relay shard of a partition key. Each shard is leased by one relay at a time, and all
+-- events of a key fall in one shard: that is what keeps a key's events in commit order with
+-- any number of relays. The count (64) is fixed: every host must agree on it.
+CREATE FUNCTION obx.outbox_shard(partition_key text) RETURNS integer
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    AS $$ SELECT (((hashtextextended(partition_key, 0) % 64) + 64) % 64)::integer $$;
+
+-- Rows the broker refused, waiting for their next attempt. While a row waits here, the
+-- later rows of its partition key wait too, so the key's order holds. Empty when all is well.
+CREATE TABLE obx.outbox_delivery_failure (
+    outbox_id       bigint      PRIMARY KEY REFERENCES obx.outbox_event(id) ON DELETE CASCADE,
+    partition_key   text        NOT NULL,
+    attempts        integer     NOT NULL,
+    last_error      text        NOT NULL,
+    next_attempt_at timestamptz NOT NULL,
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX ix_outbox_delivery_failure_key ON obx.outbox_delivery_failure(partition_key, outbox_id);
 
 -- Inbox (R-DIST-OBX-2): events stored on receipt for subscriptions in inbox mode, then
 -- processed from here. Keyed by consumer too, so that two plugins can take the same event.

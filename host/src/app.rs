@@ -14,7 +14,9 @@ use crate::api::{self, AppState};
 use crate::config::Config;
 use crate::db::{self, embedded::EmbeddedPostgres};
 use crate::dispatch::Dispatcher;
-use crate::outbox::OutboxSignal;
+use crate::kafka::Brokers;
+use crate::outbox::relay::{self, Relay};
+use crate::outbox::{retention, OutboxSignal};
 use crate::runtime::registry::Registry;
 use crate::runtime::Runtime;
 
@@ -24,9 +26,13 @@ pub struct Host {
     pub pool: PgPool,
     pub registry: Arc<Registry>,
     pub runtime: Arc<Runtime>,
+    pub brokers: Arc<Brokers>,
     ready: Arc<AtomicBool>,
-    stop: watch::Sender<bool>,
+    stop_http: watch::Sender<bool>,
+    stop_tasks: watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
+    /// Background loops: relay, notifier, retention.
+    tasks: Vec<JoinHandle<()>>,
     /// The throwaway database, when no URL was configured; stopped with the host.
     _embedded: Option<EmbeddedPostgres>,
 }
@@ -50,7 +56,31 @@ pub async fn start(config: Config) -> Result<Host> {
     let registry = Arc::new(Registry::new());
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 
+    let brokers = Arc::new(Brokers::start(&config.kafka)?);
     let signal = OutboxSignal::default();
+    let (stop_tasks, tasks_stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    if config.relay.enabled {
+        let relay = Relay {
+            database_url: url.clone(),
+            brokers: brokers.clone(),
+            kafka: config.kafka.clone(),
+            config: config.relay.clone(),
+            signal: signal.subscribe(),
+            shutdown: tasks_stopped.clone(),
+        };
+        tasks.push(tokio::spawn(relay.run()));
+    }
+    tasks.push(tokio::spawn(relay::run_notifier(
+        pool.clone(),
+        signal.subscribe(),
+        tasks_stopped.clone(),
+    )));
+    tasks.push(tokio::spawn(retention::run(
+        pool.clone(),
+        config.retention.clone(),
+        tasks_stopped,
+    )));
     let dispatcher = Arc::new(Dispatcher::new(pool.clone(), runtime.clone(), registry.clone(), signal));
     let ready = Arc::new(AtomicBool::new(false));
     let state = AppState {
@@ -64,7 +94,7 @@ pub async fn start(config: Config) -> Result<Host> {
         .await
         .with_context(|| format!("binding {} (http.listen)", config.http.listen))?;
     let addr = listener.local_addr()?;
-    let (stop, mut stopped) = watch::channel(false);
+    let (stop_http, mut stopped) = watch::channel(false);
     let router = api::router(state, &config.http);
     let server = tokio::spawn(async move {
         axum::serve(listener, router)
@@ -80,9 +110,12 @@ pub async fn start(config: Config) -> Result<Host> {
         pool,
         registry,
         runtime,
+        brokers,
         ready,
-        stop,
+        stop_http,
+        stop_tasks,
         server,
+        tasks,
         _embedded: embedded,
     })
 }
@@ -92,11 +125,31 @@ impl Host {
         format!("http://{}", self.addr)
     }
 
-    /// Stops accepting requests, lets in-flight ones finish, and closes the pool.
+    /// Stops everything at once, as a crash would, minus the process exit: no draining, no
+    /// flushing, connections dropped. For tests of what survives a crash.
+    pub async fn kill(self) {
+        self.ready.store(false, Ordering::SeqCst);
+        self.server.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
+        let _ = self.server.await;
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        self.pool.close().await;
+    }
+
+    /// Stops accepting requests and lets in-flight ones finish, then stops the background
+    /// loops (the relay flushes what it has in flight), then closes the pool.
     pub async fn shutdown(self) -> Result<()> {
         self.ready.store(false, Ordering::SeqCst);
-        let _ = self.stop.send(true);
+        let _ = self.stop_http.send(true);
         self.server.await??;
+        let _ = self.stop_tasks.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
         self.pool.close().await;
         Ok(())
     }

@@ -33,6 +33,35 @@ enum Command {
         #[command(subcommand)]
         command: PluginCommand,
     },
+    /// Outbox tools.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Publishes stored events again, in id order, with the header `obx-replay: true`.
+    /// Give an id range, a time range, an aggregate, or several of these.
+    Replay {
+        /// First outbox id (inclusive).
+        #[arg(long)]
+        from_id: Option<i64>,
+        /// Last outbox id (inclusive).
+        #[arg(long)]
+        to_id: Option<i64>,
+        /// Events created at or after this RFC 3339 time.
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Events created before this RFC 3339 time.
+        #[arg(long)]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        #[arg(long)]
+        aggregate_type: Option<String>,
+        #[arg(long)]
+        aggregate_id: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -90,7 +119,51 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Plugin {
             command: PluginCommand::Check { file, json },
         } => plugin_check(cli.config, file, json).await,
+        Command::Outbox {
+            command:
+                OutboxCommand::Replay {
+                    from_id,
+                    to_id,
+                    since,
+                    until,
+                    aggregate_type,
+                    aggregate_id,
+                },
+        } => {
+            let filter = crate::outbox::replay::ReplayFilter {
+                from_id,
+                to_id,
+                since,
+                until,
+                aggregate_type,
+                aggregate_id,
+            };
+            outbox_replay(cli.config, filter).await
+        }
     }
+}
+
+async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::ReplayFilter) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let url = config
+        .database
+        .url
+        .as_ref()
+        .context("replay needs a database: set DATABASE_URL or database.url")?;
+    if config.kafka.brokers.trim().is_empty() {
+        anyhow::bail!("replay needs brokers: set KAFKA_BROKERS or kafka.brokers");
+    }
+    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let brokers = crate::kafka::Brokers::start(&config.kafka)?;
+    let producer = crate::outbox::relay::producer(
+        &brokers,
+        &config.kafka,
+        config.relay.linger_ms,
+        Some(std::time::Duration::from_secs(30)),
+    )?;
+    let sent = crate::outbox::replay::replay(&pool, &producer, &filter).await?;
+    println!("replayed {sent} events");
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {

@@ -5,6 +5,7 @@
 //! refuses values that make no sense, naming the key. Secrets are held in [`Secret`], whose
 //! `Debug` and `Display` never show the value.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,9 @@ pub struct Config {
     pub database: DatabaseConfig,
     pub plugins: PluginsConfig,
     pub limits: Limits,
+    pub kafka: KafkaConfig,
+    pub relay: RelayConfig,
+    pub retention: RetentionConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -78,6 +82,93 @@ impl Default for PluginsConfig {
     fn default() -> Self {
         PluginsConfig {
             dir: PathBuf::from("plugins.d"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port,host:port`. Empty: an in-process mock cluster (for trying
+    /// OBX out and for tests; its messages are lost at exit).
+    pub brokers: String,
+    pub client_id: String,
+    /// Brokers in the embedded mock cluster.
+    pub embedded_brokers: u32,
+    /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
+    /// OBX's own settings. Values are treated as secrets and never shown.
+    pub properties: BTreeMap<String, Secret>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig {
+            brokers: String::new(),
+            client_id: "obx".into(),
+            embedded_brokers: 1,
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+/// The outbox relay: publishes committed outbox rows to Kafka.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RelayConfig {
+    pub enabled: bool,
+    /// Rows claimed per transaction.
+    pub batch_size: u32,
+    /// The fallback poll; commits on this host, and NOTIFY from other hosts, wake the relay
+    /// at once.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// How long one claim waits for the broker's acknowledgements before it commits what was
+    /// acknowledged; the rest stays in flight and is collected by later claims.
+    #[serde(with = "humantime_serde")]
+    pub ack_timeout: Duration,
+    /// First delay after a failed delivery; it doubles with each attempt up to `backoff_max`.
+    #[serde(with = "humantime_serde")]
+    pub backoff_initial: Duration,
+    #[serde(with = "humantime_serde")]
+    pub backoff_max: Duration,
+    /// librdkafka `linger.ms`: how long the producer waits to fill a batch.
+    pub linger_ms: u32,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            enabled: true,
+            batch_size: 1000,
+            poll_interval: Duration::from_secs(1),
+            ack_timeout: Duration::from_secs(5),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(30),
+            linger_ms: 1,
+        }
+    }
+}
+
+/// Deletes old published outbox rows. Unpublished rows are never deleted.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Published rows older than this are deleted.
+    #[serde(with = "humantime_serde")]
+    pub outbox_after: Duration,
+    /// How often the job runs.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Rows deleted per statement, so that no deletion holds locks for long.
+    pub batch_size: u32,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            outbox_after: Duration::from_secs(7 * 24 * 3600),
+            interval: Duration::from_secs(600),
+            batch_size: 5000,
         }
     }
 }
@@ -185,7 +276,10 @@ impl Config {
         }
         figment = figment
             .merge(Env::raw().only(&["DATABASE_URL"]).map(|_| "database.url".into()))
-            .merge(Env::prefixed("OBX_").split("__"));
+            .merge(Env::raw().only(&["KAFKA_BROKERS"]).map(|_| "kafka.brokers".into()))
+            // Only sectioned names are configuration (`OBX_LIMITS__CALL_DEADLINE`); other
+            // OBX_ variables (OBX_CONFIG, OBX_LOG_FORMAT, ...) belong to other parts.
+            .merge(Env::prefixed("OBX_").filter(|k| k.as_str().contains("__")).split("__"));
         let config: Config = figment.extract().map_err(|e| ConfigError::Load(describe(e)))?;
         config.validate()?;
         Ok(config)
@@ -233,6 +327,24 @@ impl Config {
                 "must be greater than 0 (0 would disable it)",
             );
         }
+        if self.relay.batch_size == 0 {
+            return invalid("relay.batch_size", "must be greater than 0");
+        }
+        if self.relay.ack_timeout.is_zero() {
+            return invalid("relay.ack_timeout", "must be greater than 0");
+        }
+        if self.relay.backoff_initial.is_zero() || self.relay.backoff_max < self.relay.backoff_initial {
+            return invalid(
+                "relay.backoff_initial",
+                "must be greater than 0 and at most relay.backoff_max",
+            );
+        }
+        if self.retention.batch_size == 0 {
+            return invalid("retention.batch_size", "must be greater than 0");
+        }
+        if self.retention.interval.is_zero() {
+            return invalid("retention.interval", "must be greater than 0");
+        }
         if l.lock_timeout.is_zero() {
             return invalid("limits.lock_timeout", "must be greater than 0 (0 would disable it)");
         }
@@ -268,6 +380,24 @@ mod tests {
     fn secret_is_redacted() {
         let s = Secret::new("postgres://u:hunter2@h/db");
         assert_eq!(format!("{s:?} {s}"), "[redacted] [redacted]");
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API
+    fn environment_overrides_and_other_obx_variables_are_ignored() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("OBX_LIMITS__CALL_DEADLINE", "750ms");
+            jail.set_env("OBX_LOG_FORMAT", "json");
+            jail.set_env("OBX_TEST_PLUGINS_DIR", "/tmp");
+            jail.set_env("DATABASE_URL", "postgres://u:p@h/db");
+            let c = Config::load(None).map_err(|e| e.to_string())?;
+            assert_eq!(c.limits.call_deadline, Duration::from_millis(750));
+            assert_eq!(c.database.url.unwrap().expose(), "postgres://u:p@h/db");
+            jail.set_env("OBX_LIMTS__CALL_DEADLINE", "1s");
+            let e = Config::load(None).unwrap_err().to_string();
+            assert!(e.contains("limts"), "{e}");
+            Ok(())
+        });
     }
 
     #[test]

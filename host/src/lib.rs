@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod dispatch;
+pub mod kafka;
 pub mod outbox;
 pub mod runtime;
 pub mod sql_policy;

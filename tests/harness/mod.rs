@@ -88,13 +88,136 @@ pub fn test_config(database_url: &str, plugin_dir: &Path) -> Config {
     config.plugins.dir = plugin_dir.to_path_buf();
     config.limits.call_deadline = Duration::from_millis(1500);
     config.limits.memory_bytes = 64 * 1024 * 1024;
+    config.kafka.brokers = std::env::var("KAFKA_BROKERS").unwrap_or_default();
+    config.relay.poll_interval = Duration::from_millis(200);
+    config.relay.backoff_max = Duration::from_secs(1);
     config
+}
+
+/// A Kafka-protocol broker for a test: the one in `KAFKA_BROKERS` if set, otherwise a fresh
+/// librdkafka mock cluster (real wire protocol, in memory).
+pub struct TestBroker {
+    pub bootstrap: String,
+    pub mock: Option<obx::kafka::MockBroker>,
+}
+
+pub fn broker() -> TestBroker {
+    match std::env::var("KAFKA_BROKERS") {
+        Ok(b) if !b.trim().is_empty() => TestBroker {
+            bootstrap: b,
+            mock: None,
+        },
+        _ => {
+            let mock = obx::kafka::MockBroker::start(1).expect("starting a mock Kafka cluster");
+            TestBroker {
+                bootstrap: mock.bootstrap(),
+                mock: Some(mock),
+            }
+        }
+    }
+}
+
+/// A message as a test reads it back from a topic.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub key: Option<String>,
+    pub payload: String,
+    pub headers: std::collections::BTreeMap<String, String>,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.payload).unwrap_or(Value::Null)
+    }
+}
+
+/// Reads `topic` from the beginning of every partition until `count` messages have arrived
+/// or `timeout` has passed, and returns them in arrival order.
+pub async fn consume(bootstrap: &str, topic: &str, count: usize, timeout: Duration) -> Vec<Received> {
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::message::{Headers, Message};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("obx-test-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("test consumer");
+    let deadline = tokio::time::Instant::now() + timeout;
+    // Wait for the topic to exist, then read all of its partitions from the start.
+    let partitions = loop {
+        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(2));
+        if let Ok(m) = metadata {
+            if let Some(t) = m.topics().iter().find(|t| t.name() == topic && t.error().is_none()) {
+                if !t.partitions().is_empty() {
+                    break t.partitions().iter().map(|p| p.id()).collect::<Vec<_>>();
+                }
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Vec::new();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut assignment = TopicPartitionList::new();
+    for p in partitions {
+        assignment.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+    }
+    consumer.assign(&assignment).unwrap();
+    let mut out = Vec::new();
+    while out.len() < count {
+        let Ok(next) = tokio::time::timeout_at(deadline, consumer.recv()).await else {
+            break;
+        };
+        let m = next.expect("consuming");
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .filter_map(|h| Some((h.key.to_string(), String::from_utf8(h.value?.to_vec()).ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(Received {
+            key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            payload: m
+                .payload()
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .unwrap_or_default(),
+            headers,
+            partition: m.partition(),
+            offset: m.offset(),
+        });
+    }
+    out
+}
+
+/// Waits until `check` holds, polling, or panics after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A host serving some plugins, on its own database.
 pub struct TestHost {
     pub host: obx::app::Host,
     pub url: String,
+    /// The URL of the host's database.
+    pub database_url: String,
     /// A pool on the host's database, for the tests' own checks (as the host's user).
     pub db: PgPool,
     pub plugin_dir: tempfile::TempDir,
@@ -108,8 +231,14 @@ pub async fn spawn_host(plugins: &[&str]) -> TestHost {
 
 /// Like [`spawn_host`], with a chance to adjust the configuration.
 pub async fn spawn_host_with(plugins: &[&str], adjust: impl FnOnce(&mut Config)) -> TestHost {
-    init_logging();
     let database_url = fresh_database().await;
+    spawn_host_on(&database_url, plugins, adjust).await
+}
+
+/// Starts another host on an existing database: several hosts of one service.
+pub async fn spawn_host_on(database_url: &str, plugins: &[&str], adjust: impl FnOnce(&mut Config)) -> TestHost {
+    init_logging();
+    let database_url = database_url.to_string();
     let plugin_dir = tempfile::tempdir().unwrap();
     for name in plugins {
         let src = plugin(name);
@@ -122,6 +251,7 @@ pub async fn spawn_host_with(plugins: &[&str], adjust: impl FnOnce(&mut Config))
     TestHost {
         url: host.url(),
         host,
+        database_url,
         db,
         plugin_dir,
         client: reqwest::Client::new(),

@@ -52,9 +52,12 @@ fn main() -> Result<()> {
         Task::Plugins => build_plugins(&root).map(drop),
         Task::Test { args } => {
             ensure_postgres()?;
+            ensure_command("kcat", "kcat")?;
             let plugins = build_plugins(&root)?;
             let mut cmd = cargo();
-            cmd.current_dir(&root).args(["test", "--workspace"]).args(&args);
+            cmd.current_dir(&root)
+                .args(["test", "--workspace", "--no-fail-fast"])
+                .args(&args);
             cmd.env("OBX_TEST_PLUGINS_DIR", &plugins);
             run(&mut cmd)
         }
@@ -144,6 +147,16 @@ fn ensure_postgres() -> Result<()> {
         return Ok(());
     }
     apt_install(&["postgresql"])
+}
+
+/// Installs `package` when `command` is not on the PATH.
+fn ensure_command(command: &str, package: &str) -> Result<()> {
+    let found =
+        std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|p| p.join(command).exists()));
+    if found {
+        return Ok(());
+    }
+    apt_install(&[package])
 }
 
 fn apt_install(packages: &[&str]) -> Result<()> {

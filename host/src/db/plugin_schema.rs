@@ -47,7 +47,6 @@ async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
     .await?;
     // Names were validated as [a-z][a-z0-9_]*, so quoting them is enough.
     for ddl in [
-        format!("GRANT \"{role}\" TO CURRENT_USER"),
         format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\" AUTHORIZATION \"{role}\""),
         format!("REVOKE ALL ON SCHEMA \"{schema}\" FROM PUBLIC"),
     ] {
@@ -126,21 +125,41 @@ async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
 }
 
 /// Roles are shared by every database of the cluster, so two hosts (or two test databases)
-/// may race to create the same one; whoever loses finds it made.
+/// may race to create the same one, or to grant it: whoever loses finds it done. The host's
+/// user must be a member of the role to `SET ROLE` to it (a superuser always is).
 async fn ensure_role(pool: &PgPool, role: &str) -> Result<()> {
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
         .bind(role)
         .fetch_one(pool)
         .await?;
-    if exists {
-        return Ok(());
+    if !exists {
+        let create = format!("CREATE ROLE \"{role}\" NOLOGIN NOINHERIT");
+        match sqlx::query(&create).persistent(false).execute(pool).await {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42710" | "23505")) => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("creating role {role} (the host's database user needs CREATEROLE)"))
+            }
+        }
     }
-    let create = format!("CREATE ROLE \"{role}\" NOLOGIN NOINHERIT");
-    match sqlx::query(&create).persistent(false).execute(pool).await {
-        Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42710" | "23505")) => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("creating role {role} (the host's database user needs CREATEROLE)")),
+    for attempt in 1.. {
+        let member: bool = sqlx::query_scalar("SELECT pg_has_role(current_user, $1, 'MEMBER')")
+            .bind(role)
+            .fetch_one(pool)
+            .await?;
+        if member {
+            return Ok(());
+        }
+        let grant = format!("GRANT \"{role}\" TO CURRENT_USER");
+        match sqlx::query(&grant).persistent(false).execute(pool).await {
+            Ok(_) => return Ok(()),
+            // "tuple concurrently updated": another host granted it at the same moment.
+            Err(_) if attempt < 5 => tokio::time::sleep(std::time::Duration::from_millis(20 * attempt)).await,
+            Err(e) => return Err(e).with_context(|| format!("granting role {role} to the host's user")),
+        }
     }
+    unreachable!()
 }
 
 /// The database's own words about a failed migration statement, for the operator.

@@ -5,7 +5,9 @@ use sqlx::PgConnection;
 use super::NewEvent;
 
 /// Inserts `events` with one statement, in emit order (so `id` follows emit order), and
-/// records the emitting plugin and version on every row.
+/// records the emitting plugin and version on every row. `created_at` is the insert's own
+/// clock, taken just before the commit, so that commit-to-publish latency can be measured
+/// from it.
 pub async fn insert(
     conn: &mut PgConnection,
     plugin_name: &str,
@@ -34,9 +36,9 @@ pub async fn insert(
     sqlx::query(
         "INSERT INTO obx.outbox_event \
            (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, \
-            plugin_name, plugin_version) \
+            plugin_name, plugin_version, created_at) \
          SELECT e.event_id, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb, \
-                e.topic, e.partition_key, $8, $9 \
+                e.topic, e.partition_key, $8, $9, clock_timestamp() \
          FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[]) \
            WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
                                 partition_key, n) \

@@ -202,25 +202,41 @@ fn from_sql(v: &SqlValue) -> Value {
     }
 }
 
-/// Emits `count` events (default 1) to `topic`, stopping at the first error, and answers ok.
+/// Emits events and answers ok, stopping at the first error. Fields: `count` (default 1),
+/// or `keys` (one event per key, in order); `topic`, or `topics` (event i goes to
+/// `topics[i % n]`); `key`; `seq` (copied into each payload); `payload_bytes` (pads it).
 fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
-    let count = p["count"].as_u64().unwrap_or(1);
-    let topic = p["topic"].as_str().unwrap_or("testbed.events");
-    let payload = match p["payload_bytes"].as_u64() {
-        Some(n) => json!({ "pad": "x".repeat(n as usize) }).to_string(),
-        None => json!({ "id": id }).to_string(),
+    let strings = |v: &Value| -> Option<Vec<String>> {
+        v.as_array()
+            .map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect())
     };
+    let topics =
+        strings(&p["topics"]).unwrap_or_else(|| vec![p["topic"].as_str().unwrap_or("testbed.events").to_string()]);
+    let keys = strings(&p["keys"]);
+    let count = keys
+        .as_ref()
+        .map(|k| k.len() as u64)
+        .or(p["count"].as_u64())
+        .unwrap_or(1);
     let mut emitted = 0u64;
     let mut error = Value::Null;
     for i in 0..count {
+        let key = keys
+            .as_ref()
+            .map(|k| k[i as usize].clone())
+            .or_else(|| p["key"].as_str().map(String::from));
+        let payload = match p["payload_bytes"].as_u64() {
+            Some(n) => json!({ "pad": "x".repeat(n as usize) }),
+            None => json!({ "id": id, "i": i, "key": key, "seq": p["seq"] }),
+        };
         let event = OutboxEvent {
             event_id: None,
             aggregate_type: "Item".into(),
-            aggregate_id: format!("{id}-{i}"),
+            aggregate_id: key.clone().unwrap_or_else(|| format!("{id}-{i}")),
             event_type: "ItemEmitted".into(),
-            payload: payload.clone(),
-            topic: topic.into(),
-            partition_key: p["key"].as_str().map(String::from),
+            payload: payload.to_string(),
+            topic: topics[i as usize % topics.len()].clone(),
+            partition_key: key,
         };
         match emit(&event) {
             Ok(_) => emitted += 1,

@@ -1,0 +1,101 @@
+//! Kafka: client configuration shared by the relay, replay and the consumers, and the
+//! embedded broker used when no brokers are configured.
+//!
+//! The embedded broker is librdkafka's mock cluster. It speaks the real Kafka protocol on a
+//! loopback port, so any client (kcat included) can connect to it, but it keeps messages in
+//! memory only: it is for trying OBX out and for tests, never for production.
+
+use anyhow::{Context, Result};
+use rdkafka::config::ClientConfig;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+
+use crate::config::KafkaConfig;
+
+/// The brokers a host talks to.
+pub struct Brokers {
+    /// `host:port,...`
+    pub bootstrap: String,
+    mock: Option<MockBroker>,
+}
+
+impl Brokers {
+    /// Connects to the configured brokers, or starts the embedded mock cluster when none are
+    /// configured.
+    pub fn start(config: &KafkaConfig) -> Result<Brokers> {
+        if !config.brokers.trim().is_empty() {
+            return Ok(Brokers {
+                bootstrap: config.brokers.trim().to_string(),
+                mock: None,
+            });
+        }
+        let mock = MockBroker::start(config.embedded_brokers)?;
+        let bootstrap = mock.bootstrap();
+        tracing::warn!(
+            %bootstrap,
+            "no Kafka brokers configured: started an in-memory mock cluster (messages are lost at exit)"
+        );
+        Ok(Brokers {
+            bootstrap,
+            mock: Some(mock),
+        })
+    }
+
+    /// The embedded mock cluster, if this host runs one: for fault injection in tests.
+    pub fn mock(&self) -> Option<&MockBroker> {
+        self.mock.as_ref()
+    }
+
+    /// librdkafka settings for a client of these brokers: the user's properties on top of
+    /// ours, so that a user can point OBX at a managed Kafka (TLS, SASL, ...).
+    pub fn client_config(&self, config: &KafkaConfig) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap)
+            .set("client.id", &config.client_id);
+        for (key, value) in &config.properties {
+            c.set(key, value.expose());
+        }
+        c
+    }
+}
+
+/// librdkafka's in-process mock cluster.
+pub struct MockBroker(MockCluster<'static, DefaultProducerContext>);
+
+// SAFETY: librdkafka's mock cluster API is thread-safe: every call takes the cluster's own
+// lock. The wrapper only forwards those calls and the destructor.
+unsafe impl Send for MockBroker {}
+// SAFETY: as above.
+unsafe impl Sync for MockBroker {}
+
+impl MockBroker {
+    pub fn start(brokers: u32) -> Result<MockBroker> {
+        let cluster = MockCluster::new(brokers.max(1) as i32).context("starting the embedded Kafka mock cluster")?;
+        Ok(MockBroker(cluster))
+    }
+
+    pub fn bootstrap(&self) -> String {
+        self.0.bootstrap_servers()
+    }
+
+    /// Takes every broker down: connections are refused until [`MockBroker::up`].
+    pub fn down(&self, brokers: u32) -> Result<()> {
+        for id in 1..=brokers.max(1) as i32 {
+            self.0.broker_down(id)?;
+        }
+        Ok(())
+    }
+
+    pub fn up(&self, brokers: u32) -> Result<()> {
+        for id in 1..=brokers.max(1) as i32 {
+            self.0.broker_up(id)?;
+        }
+        Ok(())
+    }
+
+    /// Creates a topic with a given number of partitions.
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
+        self.0.create_topic(topic, partitions, 1)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,537 @@
+//! The relay: publishes committed outbox rows to Kafka (R-DIST-OBX-1, R-DIST-OBX-3).
+//!
+//! Each step runs one transaction on the relay's own connection:
+//!
+//! 1. claim up to `batch_size` unpublished rows of the relay's shards, in id order, with
+//!    `SELECT … FOR UPDATE SKIP LOCKED`;
+//! 2. send each row to its own topic (key = `partition_key`, value = the JSON payload,
+//!    headers `eventId`, `eventType`, `aggregateType`, `aggregateId`) with the relay's one
+//!    long-lived idempotent producer;
+//! 3. wait for the delivery reports, up to `ack_timeout`;
+//! 4. set `published_at` on exactly the rows the broker acknowledged, record refused rows
+//!    for a later attempt with backoff, and commit.
+//!
+//! **Ordering.** The rows of one partition key all fall in one of 64 shards
+//! (`obx.outbox_shard`), and each shard is leased by one relay at a time with a session
+//! advisory lock, held on the same connection that claims rows: a relay never sees rows of a
+//! shard while another relay could hold them. A relay sends a key's rows in id order and
+//! never past one that is not yet acknowledged: a row the broker refused blocks the later
+//! rows of its key (not the shard) until it goes through. Producer messages never expire
+//! (`message.timeout.ms = 0`), so a key's messages cannot be reordered by a timeout; a row
+//! still unacknowledged at `ack_timeout` stays in flight, and a later step collects its
+//! report instead of sending it again. Shards are spread evenly over the live relays: each
+//! relay also holds a membership lock, and rebalances to its fair share every second.
+//!
+//! **At least once.** A row is marked only after its acknowledgement. A relay that dies
+//! between the send and the mark leaves the row unpublished, and it is sent again: consumers
+//! deduplicate by `eventId`. Kafka's idempotence covers one producer session only.
+//!
+//! **Wake-ups.** The relay wakes when this host commits outbox rows (in process), when
+//! another host does (`LISTEN obx_outbox`, sent by [`run_notifier`] outside the command
+//! transactions), and on a slow poll as a fallback.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use sqlx::postgres::{PgConnectOptions, PgListener};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::watch;
+
+use crate::config::{KafkaConfig, RelayConfig};
+use crate::kafka::Brokers;
+
+/// Relay shards; `obx.outbox_shard` computes the same modulus.
+pub const SHARDS: i32 = 64;
+/// Advisory-lock namespaces (the first key of the two-key form).
+const SHARD_LOCK: i32 = 0x6f62_7801;
+const MEMBER_LOCK: i32 = 0x6f62_7802;
+/// The channel other hosts' commits are announced on.
+pub const NOTIFY_CHANNEL: &str = "obx_outbox";
+const REBALANCE_EVERY: Duration = Duration::from_secs(1);
+const STATS_EVERY: Duration = Duration::from_secs(5);
+
+/// An outbox row as the relay and replay send it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub event_id: uuid::Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub payload: String,
+    pub topic: String,
+    pub partition_key: String,
+    pub created_at: DateTime<Utc>,
+    pub shard: i32,
+}
+
+/// The columns [`OutboxRow`] reads, for the SELECTs of the relay and of replay.
+pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
+     o.payload::text AS payload, o.topic, o.partition_key, o.created_at, \
+     obx.outbox_shard(o.partition_key) AS shard";
+
+impl OutboxRow {
+    /// The Kafka headers of this row. The first two are named as in the seed, so that
+    /// services following it can read them.
+    pub fn headers(&self) -> OwnedHeaders {
+        let event_id = self.event_id.to_string();
+        OwnedHeaders::new_with_capacity(5)
+            .insert(Header {
+                key: "eventId",
+                value: Some(event_id.as_str()),
+            })
+            .insert(Header {
+                key: "eventType",
+                value: Some(self.event_type.as_str()),
+            })
+            .insert(Header {
+                key: "aggregateType",
+                value: Some(self.aggregate_type.as_str()),
+            })
+            .insert(Header {
+                key: "aggregateId",
+                value: Some(self.aggregate_id.as_str()),
+            })
+    }
+
+    pub fn record<'a>(&'a self, headers: OwnedHeaders) -> FutureRecord<'a, str, str> {
+        FutureRecord::to(&self.topic)
+            .key(self.partition_key.as_str())
+            .payload(self.payload.as_str())
+            .timestamp(self.created_at.timestamp_millis())
+            .headers(headers)
+    }
+}
+
+/// An idempotent producer. The relay's messages never expire (`message_timeout` `None`),
+/// which keeps a key's order through any outage; replay gives up after a bound instead.
+pub fn producer(
+    brokers: &Brokers,
+    kafka: &KafkaConfig,
+    linger_ms: u32,
+    message_timeout: Option<Duration>,
+) -> Result<FutureProducer> {
+    let mut config = brokers.client_config(kafka);
+    // Ours first, then the user's properties again, so that theirs win.
+    config
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set(
+            "message.timeout.ms",
+            message_timeout.map_or(0, |t| t.as_millis()).to_string(),
+        )
+        .set("linger.ms", linger_ms.to_string())
+        .set("retry.backoff.ms", "50")
+        .set("retry.backoff.max.ms", "1000")
+        .set("reconnect.backoff.ms", "50")
+        .set("reconnect.backoff.max.ms", "1000");
+    for (key, value) in &kafka.properties {
+        config.set(key, value.expose());
+    }
+    config.create().context("creating the Kafka producer")
+}
+
+pub struct Relay {
+    pub database_url: String,
+    pub brokers: Arc<Brokers>,
+    pub kafka: KafkaConfig,
+    pub config: RelayConfig,
+    /// Bumped by every local commit that wrote outbox rows.
+    pub signal: watch::Receiver<u64>,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// What one step did, and so what the loop does next.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// A full batch went out: there may be more.
+    More,
+    /// Nothing (more) to do: wait for a wake-up.
+    Idle,
+    /// Some rows were refused or are still unacknowledged: wait before trying again.
+    Backoff,
+}
+
+struct State {
+    conn: Option<PgConnection>,
+    producer: Option<FutureProducer>,
+    /// Sent rows whose delivery report has not arrived yet, by row id, with their shard.
+    inflight: HashMap<i64, (i32, DeliveryFuture)>,
+    shards: BTreeSet<i32>,
+    last_rebalance: Option<Instant>,
+    last_stats: Option<Instant>,
+}
+
+impl Relay {
+    pub async fn run(mut self) {
+        let mut state = State {
+            conn: None,
+            producer: None,
+            inflight: HashMap::new(),
+            shards: BTreeSet::new(),
+            last_rebalance: None,
+            last_stats: None,
+        };
+        let mut listener: Option<PgListener> = None;
+        let mut backoff = self.config.backoff_initial;
+        loop {
+            if *self.shutdown.borrow() {
+                break;
+            }
+            // After a step that found nothing, wait for a wake-up or the poll; after one
+            // that failed, wait out the backoff (wake-ups would only hammer a sick broker).
+            let (pause, wake_early) = match self.step(&mut state).await {
+                Ok(Outcome::More) => {
+                    backoff = self.config.backoff_initial;
+                    continue;
+                }
+                Ok(Outcome::Idle) => {
+                    backoff = self.config.backoff_initial;
+                    (self.config.poll_interval, true)
+                }
+                Ok(Outcome::Backoff) => (next_backoff(&mut backoff, self.config.backoff_max), false),
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "outbox relay step failed");
+                    metrics::counter!("obx_relay_errors_total", "kind" => "step").increment(1);
+                    // A broken connection loses its leases; start over with a new one.
+                    state.conn = None;
+                    state.shards.clear();
+                    (next_backoff(&mut backoff, self.config.backoff_max), false)
+                }
+            };
+            if wake_early && listener.is_none() {
+                listener = self.listen().await;
+            }
+            let wake = {
+                let notified = async {
+                    match listener.as_mut() {
+                        Some(l) if wake_early => l.recv().await.is_err(),
+                        _ => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    changed = self.signal.changed(), if wake_early => {
+                        if changed.is_err() { Wake::Stop } else { Wake::Commit }
+                    }
+                    failed = notified => if failed { Wake::ListenerLost } else { Wake::Commit },
+                    _ = tokio::time::sleep(pause) => Wake::Timer,
+                    _ = self.shutdown.changed() => Wake::Stop,
+                }
+            };
+            match wake {
+                Wake::Stop => break,
+                Wake::ListenerLost => listener = None,
+                Wake::Commit | Wake::Timer => {}
+            }
+        }
+        // Finish what is in flight, within a bound, so that acknowledged rows are marked.
+        if let Some(producer) = &state.producer {
+            let _ = producer.flush(Duration::from_secs(5));
+        }
+        if !state.inflight.is_empty() {
+            let _ = self.step(&mut state).await;
+        }
+        tracing::info!("outbox relay stopped");
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let mut listener = PgListener::connect(&self.database_url).await.ok()?;
+        listener.listen(NOTIFY_CHANNEL).await.ok()?;
+        Some(listener)
+    }
+
+    async fn step(&self, st: &mut State) -> Result<Outcome> {
+        if st.conn.is_none() {
+            let options = PgConnectOptions::from_str(&self.database_url)?.application_name("obx-relay");
+            let mut conn = PgConnection::connect_with(&options)
+                .await
+                .context("connecting the relay")?;
+            join(&mut conn).await?;
+            st.conn = Some(conn);
+            st.last_rebalance = None;
+        }
+        let conn = st.conn.as_mut().expect("connected above");
+        if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
+            let busy: HashSet<i32> = st.inflight.values().map(|(shard, _)| *shard).collect();
+            rebalance(conn, &mut st.shards, &busy).await?;
+            st.last_rebalance = Some(Instant::now());
+            metrics::gauge!("obx_relay_shards").set(st.shards.len() as f64);
+        }
+        if st.last_stats.is_none_or(|t| t.elapsed() >= STATS_EVERY) {
+            record_backlog(conn).await?;
+            st.last_stats = Some(Instant::now());
+        }
+        if st.shards.is_empty() {
+            return Ok(Outcome::Idle);
+        }
+        if let Some((code, reason)) = st.producer.as_ref().and_then(|p| p.client().fatal_error()) {
+            tracing::error!(
+                ?code,
+                reason,
+                "the Kafka producer hit a fatal error; building a new one"
+            );
+            metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
+            st.producer = None;
+            // The old producer's messages are gone with it: their rows are sent again.
+            st.inflight.clear();
+        }
+        if st.producer.is_none() {
+            st.producer = Some(producer(&self.brokers, &self.kafka, self.config.linger_ms, None)?);
+        }
+        let producer = st.producer.as_ref().expect("built above");
+
+        let shards: Vec<i32> = st.shards.iter().copied().collect();
+        let mut tx = conn.begin().await?;
+        let rows: Vec<OutboxRow> = sqlx::query_as(&format!(
+            "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
+             WHERE o.published_at IS NULL \
+               AND obx.outbox_shard(o.partition_key) = ANY($1) \
+               AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
+                               WHERE f.partition_key = o.partition_key AND f.outbox_id <= o.id \
+                                 AND f.next_attempt_at > now()) \
+             ORDER BY o.id \
+             LIMIT $2 \
+             FOR UPDATE OF o SKIP LOCKED"
+        ))
+        .bind(&shards)
+        .bind(self.config.batch_size as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(Outcome::Idle);
+        }
+
+        // Send, in id order. A key whose row could not be queued sends nothing after it.
+        let mut blocked: HashSet<&str> = HashSet::new();
+        let mut refused: Vec<(&OutboxRow, String)> = Vec::new();
+        let mut sent: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if blocked.contains(row.partition_key.as_str()) {
+                continue;
+            }
+            if st.inflight.contains_key(&row.id) {
+                sent.push(row);
+                continue;
+            }
+            match producer.send_result(row.record(row.headers())) {
+                Ok(delivery) => {
+                    st.inflight.insert(row.id, (row.shard, delivery));
+                    sent.push(row);
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    // Back-pressure, not a fault of the row: stop queueing for this step.
+                    metrics::counter!("obx_relay_errors_total", "kind" => "queue_full").increment(1);
+                    break;
+                }
+                Err((e, _)) => {
+                    blocked.insert(row.partition_key.as_str());
+                    refused.push((row, e.to_string()));
+                }
+            }
+        }
+
+        // Collect the delivery reports.
+        let deadline = tokio::time::Instant::now() + self.config.ack_timeout;
+        let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
+        let mut pending = 0usize;
+        for row in sent {
+            let Some((_, delivery)) = st.inflight.get_mut(&row.id) else {
+                continue;
+            };
+            match tokio::time::timeout_at(deadline, delivery).await {
+                Err(_) => pending += 1,
+                Ok(result) => {
+                    st.inflight.remove(&row.id);
+                    match result {
+                        Ok(Ok(_)) => acked.push(row),
+                        Ok(Err((e, _))) => refused.push((row, e.to_string())),
+                        // The producer that sent it is gone; the row is sent again.
+                        Err(_canceled) => {}
+                    }
+                }
+            }
+        }
+
+        // Mark what the broker acknowledged; record what it refused.
+        let acked_ids: Vec<i64> = acked.iter().map(|r| r.id).collect();
+        if !acked_ids.is_empty() {
+            sqlx::query("UPDATE obx.outbox_event SET published_at = now() WHERE id = ANY($1)")
+                .bind(&acked_ids)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("DELETE FROM obx.outbox_delivery_failure WHERE outbox_id = ANY($1)")
+                .bind(&acked_ids)
+                .execute(&mut *tx)
+                .await?;
+        }
+        if !refused.is_empty() {
+            for (row, error) in &refused {
+                tracing::warn!(id = row.id, event_id = %row.event_id, topic = %row.topic, error, "the broker refused an outbox row; it will be retried");
+            }
+            sqlx::query(
+                "INSERT INTO obx.outbox_delivery_failure (outbox_id, partition_key, attempts, last_error, next_attempt_at) \
+                 SELECT id, key, 1, error, now() + make_interval(secs => $4) \
+                 FROM UNNEST($1::bigint[], $2::text[], $3::text[]) AS r(id, key, error) \
+                 ON CONFLICT (outbox_id) DO UPDATE SET \
+                   attempts = obx.outbox_delivery_failure.attempts + 1, \
+                   last_error = EXCLUDED.last_error, \
+                   next_attempt_at = now() + make_interval(secs => \
+                       least($5, $4 * power(2, obx.outbox_delivery_failure.attempts))), \
+                   updated_at = now()",
+            )
+            .bind(refused.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
+            .bind(refused.iter().map(|(r, _)| r.partition_key.as_str()).collect::<Vec<_>>())
+            .bind(refused.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>())
+            .bind(self.config.backoff_initial.as_secs_f64())
+            .bind(self.config.backoff_max.as_secs_f64())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+
+        let now = Utc::now();
+        for row in &acked {
+            let latency = (now - row.created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
+            metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency);
+        }
+        metrics::counter!("obx_outbox_published_total").increment(acked.len() as u64);
+        metrics::counter!("obx_relay_errors_total", "kind" => "refused").increment(refused.len() as u64);
+        metrics::gauge!("obx_relay_inflight").set(st.inflight.len() as f64);
+        if pending > 0 {
+            metrics::counter!("obx_relay_errors_total", "kind" => "ack_timeout").increment(1);
+            tracing::warn!(
+                pending,
+                "outbox rows still unacknowledged after {:?}; is the broker up?",
+                self.config.ack_timeout
+            );
+        }
+        Ok(if !refused.is_empty() || pending > 0 {
+            Outcome::Backoff
+        } else if rows.len() as u32 >= self.config.batch_size {
+            Outcome::More
+        } else {
+            Outcome::Idle
+        })
+    }
+}
+
+enum Wake {
+    Commit,
+    Timer,
+    ListenerLost,
+    Stop,
+}
+
+fn next_backoff(backoff: &mut Duration, max: Duration) -> Duration {
+    let pause = *backoff;
+    *backoff = (*backoff * 2).min(max);
+    pause
+}
+
+/// Registers this relay as a member, so that the others count it when they share shards.
+async fn join(conn: &mut PgConnection) -> Result<()> {
+    loop {
+        let member: i32 = rand_i32();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(MEMBER_LOCK)
+            .bind(member)
+            .fetch_one(&mut *conn)
+            .await?;
+        if locked {
+            return Ok(());
+        }
+    }
+}
+
+fn rand_i32() -> i32 {
+    uuid::Uuid::new_v4().as_u128() as i32
+}
+
+/// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
+/// still in flight is not given up, so that a hand-over never sends a row twice.
+async fn rebalance(conn: &mut PgConnection, held: &mut BTreeSet<i32>, busy: &HashSet<i32>) -> Result<()> {
+    let members: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_locks \
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::oid \
+           AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+    )
+    .bind(MEMBER_LOCK as i64)
+    .fetch_one(&mut *conn)
+    .await?;
+    let fair = (SHARDS as usize).div_ceil(members.max(1) as usize);
+    if held.len() > fair {
+        let extra: Vec<i32> = held
+            .iter()
+            .rev()
+            .filter(|s| !busy.contains(s))
+            .take(held.len() - fair)
+            .copied()
+            .collect();
+        sqlx::query("SELECT pg_advisory_unlock($1, s) FROM unnest($2::int[]) AS s")
+            .bind(SHARD_LOCK)
+            .bind(&extra)
+            .execute(&mut *conn)
+            .await?;
+        for s in extra {
+            held.remove(&s);
+        }
+    } else if held.len() < fair {
+        let mine: Vec<i32> = held.iter().copied().collect();
+        // The LIMIT stops the scan, so exactly the returned shards were locked.
+        let got: Vec<i32> = sqlx::query_scalar(
+            "SELECT s FROM generate_series(0, $3 - 1) AS s \
+             WHERE NOT (s = ANY($2)) AND pg_try_advisory_lock($1, s) \
+             LIMIT $4",
+        )
+        .bind(SHARD_LOCK)
+        .bind(&mine)
+        .bind(SHARDS)
+        .bind((fair - held.len()) as i64)
+        .fetch_all(&mut *conn)
+        .await?;
+        held.extend(got);
+    }
+    Ok(())
+}
+
+/// Publishes the outbox backlog and the age of its oldest row as metrics.
+async fn record_backlog(conn: &mut PgConnection) -> Result<()> {
+    let (backlog, oldest): (i64, Option<f64>) = sqlx::query_as(
+        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
+         FROM obx.outbox_event WHERE published_at IS NULL",
+    )
+    .fetch_one(conn)
+    .await?;
+    metrics::gauge!("obx_outbox_backlog").set(backlog as f64);
+    metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
+    Ok(())
+}
+
+/// Announces this host's outbox commits to the relays of other hosts, with `NOTIFY` sent
+/// outside the command transactions (a NOTIFY inside them would serialise their commits),
+/// at most once per `coalesce`.
+pub async fn run_notifier(pool: PgPool, mut signal: watch::Receiver<u64>, mut shutdown: watch::Receiver<bool>) {
+    const COALESCE: Duration = Duration::from_millis(2);
+    loop {
+        tokio::select! {
+            changed = signal.changed() => if changed.is_err() { break },
+            _ = shutdown.changed() => break,
+        }
+        if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
+            .bind(NOTIFY_CHANNEL)
+            .execute(&pool)
+            .await
+        {
+            tracing::debug!(error = %e, "could not notify other relays");
+        }
+        tokio::time::sleep(COALESCE).await;
+    }
+}

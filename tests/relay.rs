@@ -1,0 +1,401 @@
+//! The outbox relay against a real Kafka-protocol broker: the librdkafka mock cluster by
+//! default, or the broker in `KAFKA_BROKERS`. Topics are unique per test, so tests can share
+//! an external broker.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use obx_tests::{broker, consume, eventually, spawn_host, spawn_host_with, TestHost};
+use serde_json::json;
+
+fn topic(name: &str) -> String {
+    format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+async fn unpublished(host: &TestHost) -> i64 {
+    host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
+        .await
+}
+
+async fn all_published(host: &TestHost, total: i64) {
+    eventually(Duration::from_secs(30), "every row published", || async {
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+            .await
+            == total
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn every_committed_row_is_published_once_with_key_value_and_headers() {
+    let host = spawn_host(&["orders"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let mut order_ids = HashSet::new();
+    for i in 0..20 {
+        let a = host
+            .command(
+                "orders",
+                "CreateOrder",
+                json!({ "customerId": format!("c-{i}"), "amount": 10 }),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+        order_ids.insert(a.body["orderId"].as_str().unwrap().to_string());
+    }
+    all_published(&host, 20).await;
+
+    // The seed's topic. With an external broker other tests may write here too: keep ours.
+    let messages = consume(&bootstrap, "order.events", usize::MAX, Duration::from_secs(5)).await;
+    let ours: Vec<_> = messages
+        .iter()
+        .filter(|m| m.key.as_ref().is_some_and(|k| order_ids.contains(k)))
+        .collect();
+    assert_eq!(ours.len(), 20, "each committed row once");
+    let rows: Vec<(uuid::Uuid, String, String)> =
+        sqlx::query_as("SELECT event_id, partition_key, payload::text FROM obx.outbox_event")
+            .fetch_all(&host.db)
+            .await
+            .unwrap();
+    for (event_id, key, payload) in rows {
+        let m = ours
+            .iter()
+            .find(|m| m.header("eventId") == Some(&event_id.to_string()))
+            .expect("published");
+        assert_eq!(m.key.as_deref(), Some(key.as_str()));
+        assert_eq!(m.json(), serde_json::from_str::<serde_json::Value>(&payload).unwrap());
+        assert_eq!(m.header("eventType"), Some("OrderCreated"));
+        assert_eq!(m.header("aggregateType"), Some("Order"));
+        assert_eq!(m.header("aggregateId"), Some(key.as_str()));
+    }
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_rolled_back_command_publishes_nothing() {
+    let host = spawn_host(&["testbed"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let t = topic("rollback");
+    for command in ["fail", "trap", "reject"] {
+        let a = host
+            .command("testbed", "emit", json!({ "id": command, "topic": t, "count": 1 }))
+            .await;
+        assert_eq!(a.status, 200);
+        // The same events, from a call that then fails.
+        let a = host
+            .command("testbed", command, json!({ "id": format!("{command}-x") }))
+            .await;
+        assert!(a.status >= 400);
+    }
+    all_published(&host, 3).await;
+    let messages = consume(&bootstrap, &t, usize::MAX, Duration::from_secs(3)).await;
+    assert_eq!(messages.len(), 3, "only the three committed events");
+    let testbed_topic = consume(&bootstrap, "testbed.events", usize::MAX, Duration::from_secs(2)).await;
+    assert!(
+        testbed_topic
+            .iter()
+            .all(|m| !m.key.as_deref().unwrap_or("").ends_with("-x")),
+        "a failed call's event reached the broker"
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_batch_spanning_topics_reaches_each_topic() {
+    let host = spawn_host(&["testbed"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let topics = [topic("alpha"), topic("beta"), topic("gamma")];
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "multi", "topics": topics, "count": 9 }),
+        )
+        .await;
+    assert_eq!((a.status, &a.body["emitted"]), (200, &json!(9)));
+    all_published(&host, 9).await;
+    for (n, t) in topics.iter().enumerate() {
+        let messages = consume(&bootstrap, t, usize::MAX, Duration::from_secs(3)).await;
+        let mut indexes: Vec<u64> = messages.iter().map(|m| m.json()["i"].as_u64().unwrap()).collect();
+        indexes.sort();
+        assert_eq!(indexes, vec![n as u64, n as u64 + 3, n as u64 + 6], "topic {t}");
+    }
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn three_relays_keep_per_key_order_without_duplicates() {
+    let broker = broker();
+    let first = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let url = first.database_url.clone();
+    let mut others = Vec::new();
+    for _ in 0..2 {
+        others.push(obx_tests::spawn_host_on(&url, &["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await);
+    }
+    let hosts: Vec<&TestHost> = std::iter::once(&first).chain(others.iter()).collect();
+    // Let the relays share the shards out before the load starts.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // 100 commands, each emitting one event for each of 100 keys: seq = the command's index.
+    // Commands go to the three hosts in turn, one after another, so commit order is seq order.
+    let t = topic("order");
+    let keys: Vec<String> = (0..100).map(|k| format!("key-{k}")).collect();
+    for seq in 0..100 {
+        let host = hosts[seq % 3];
+        let a = host
+            .command(
+                "testbed",
+                "emit",
+                json!({ "id": format!("s{seq}"), "topic": t, "keys": keys, "seq": seq }),
+            )
+            .await;
+        assert_eq!((a.status, &a.body["emitted"]), (200, &json!(100)), "{}", a.text);
+    }
+    all_published(&first, 10_000).await;
+
+    let messages = consume(&broker.bootstrap, &t, 10_000, Duration::from_secs(30)).await;
+    assert_eq!(messages.len(), 10_000);
+    let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
+    assert_eq!(ids.len(), 10_000, "duplicates on the broker");
+    // Per key, in the order the broker holds them (a key lives in one partition).
+    let mut last: HashMap<String, i64> = HashMap::new();
+    let mut violations = 0;
+    let mut sorted = messages.clone();
+    sorted.sort_by_key(|m| (m.partition, m.offset));
+    for m in &sorted {
+        let seq = m.json()["seq"].as_i64().unwrap();
+        let prev = last.insert(m.key.clone().unwrap(), seq);
+        if prev.is_some_and(|p| p >= seq) {
+            violations += 1;
+        }
+    }
+    assert_eq!(violations, 0, "per-key order violations");
+    // Each relay did part of the work.
+    let shards: Vec<i64> = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868724225::oid GROUP BY pid",
+    )
+    .fetch_all(&first.db)
+    .await
+    .unwrap();
+    assert_eq!(shards.len(), 3, "three relays hold shards: {shards:?}");
+    for h in others {
+        h.shutdown().await;
+    }
+    first.shutdown().await;
+}
+
+#[tokio::test]
+async fn commands_succeed_while_the_broker_is_down_and_the_backlog_drains_after() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to take the broker down");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let t = topic("outage");
+    let a = host
+        .command("testbed", "emit", json!({ "id": "before", "topic": t, "count": 5 }))
+        .await;
+    assert_eq!(a.status, 200);
+    all_published(&host, 5).await;
+
+    mock.down(1).unwrap();
+    for i in 0..20 {
+        let a = host
+            .command(
+                "testbed",
+                "emit",
+                json!({ "id": format!("down-{i}"), "topic": t, "count": 5 }),
+            )
+            .await;
+        assert_eq!(a.status, 200, "commands keep succeeding: {}", a.text);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        unpublished(&host).await,
+        100,
+        "rows accumulate while the broker is down"
+    );
+
+    mock.up(1).unwrap();
+    all_published(&host, 105).await;
+    let messages = consume(&broker.bootstrap, &t, 105, Duration::from_secs(30)).await;
+    let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
+    assert_eq!(ids.len(), 105, "everything delivered");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_relay_killed_between_send_and_mark_sends_again() {
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let url = host.database_url.clone();
+    // Hold the relay inside its mark: the UPDATE of published_at sleeps.
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.stall() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$; \
+         CREATE TRIGGER stall BEFORE UPDATE OF published_at ON obx.outbox_event \
+           FOR EACH STATEMENT EXECUTE FUNCTION public.stall();",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let t = topic("killed");
+    let a = host
+        .command("testbed", "emit", json!({ "id": "k", "topic": t, "count": 10 }))
+        .await;
+    assert_eq!(a.status, 200);
+    // The messages reach the broker; then the relay is killed before its mark commits.
+    let first = consume(&broker.bootstrap, &t, 10, Duration::from_secs(10)).await;
+    assert_eq!(first.len(), 10, "sent");
+    let TestHost { host: killed, db, .. } = host;
+    killed.kill().await;
+    sqlx::raw_sql("DROP TRIGGER stall ON obx.outbox_event")
+        .execute(&db)
+        .await
+        .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(left, 10, "the mark died with the relay");
+
+    // A new host on the same database sends them again.
+    let again = obx_tests::spawn_host_on(&url, &["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    all_published(&again, 10).await;
+    let all = consume(&broker.bootstrap, &t, 20, Duration::from_secs(10)).await;
+    let ids: HashSet<&str> = all.iter().map(|m| m.header("eventId").unwrap()).collect();
+    assert_eq!(ids.len(), 10, "no loss");
+    assert_eq!(all.len(), 20, "each sent twice: a duplicate is allowed, a loss is not");
+    again.shutdown().await;
+}
+
+#[tokio::test]
+async fn kcat_reads_key_value_and_headers() {
+    let Ok(kcat) = which("kcat") else {
+        panic!("kcat is not installed: `cargo xtask test` installs it (apt-get install kcat)");
+    };
+    let host = spawn_host(&["orders"]).await;
+    let a = host
+        .command("orders", "CreateOrder", json!({ "customerId": "kc", "amount": 7.5 }))
+        .await;
+    let order_id = a.body["orderId"].as_str().unwrap().to_string();
+    all_published(&host, 1).await;
+    let out = tokio::process::Command::new(kcat)
+        .args([
+            "-b",
+            &host.host.brokers.bootstrap,
+            "-C",
+            "-t",
+            "order.events",
+            "-o",
+            "beginning",
+            "-e",
+            "-q",
+        ])
+        .args(["-f", "%k|%s|%h\\n"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(&order_id))
+        .unwrap_or_else(|| panic!("kcat saw: {stdout}"));
+    let parts: Vec<&str> = line.splitn(3, '|').collect();
+    assert_eq!(parts[0], order_id);
+    let value: serde_json::Value = serde_json::from_str(parts[1]).unwrap();
+    assert_eq!(value["customerId"], "kc");
+    assert_eq!(value["amount"], "7.5");
+    let event_id: uuid::Uuid = sqlx::query_scalar("SELECT event_id FROM obx.outbox_event")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert!(parts[2].contains(&format!("eventId={event_id}")), "{line}");
+    assert!(parts[2].contains("eventType=OrderCreated"), "{line}");
+    assert!(parts[2].contains("aggregateType=Order"), "{line}");
+    assert!(parts[2].contains(&format!("aggregateId={order_id}")), "{line}");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn replay_republishes_stored_events_marked_as_replays() {
+    let host = spawn_host(&["testbed"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let t = topic("replay");
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "r", "topic": t, "keys": ["a", "b", "a", "c"] }),
+        )
+        .await;
+    assert_eq!(a.status, 200);
+    all_published(&host, 4).await;
+    let producer = obx::outbox::relay::producer(
+        &host.host.brokers,
+        &Default::default(),
+        1,
+        Some(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let filter = obx::outbox::replay::ReplayFilter {
+        aggregate_id: Some("a".into()),
+        ..Default::default()
+    };
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &filter).await.unwrap();
+    assert_eq!(sent, 2);
+    let messages = consume(&bootstrap, &t, 6, Duration::from_secs(10)).await;
+    let replays: Vec<_> = messages
+        .iter()
+        .filter(|m| m.header("obx-replay") == Some("true"))
+        .collect();
+    assert_eq!(replays.len(), 2);
+    assert!(replays.iter().all(|m| m.key.as_deref() == Some("a")));
+    // Without a filter, replay refuses to send the whole outbox.
+    let all = obx::outbox::replay::replay(&host.db, &producer, &Default::default()).await;
+    assert!(all.is_err());
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn retention_deletes_old_published_rows_only() {
+    let host = spawn_host(&["testbed"]).await;
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "old", "topic": topic("ret"), "count": 30 }),
+        )
+        .await;
+    assert_eq!(a.status, 200);
+    all_published(&host, 30).await;
+    // Stop the host (and its relay), keep its database.
+    let TestHost { host: h, db, .. } = host;
+    h.shutdown().await.unwrap();
+    // Age twenty of them; keep one of those unpublished.
+    sqlx::raw_sql(
+        "UPDATE obx.outbox_event SET created_at = now() - interval '8 days' WHERE id IN \
+           (SELECT id FROM obx.outbox_event ORDER BY id LIMIT 20); \
+         UPDATE obx.outbox_event SET published_at = NULL WHERE id = (SELECT min(id) FROM obx.outbox_event)",
+    )
+    .execute(&db)
+    .await
+    .unwrap();
+    let config = obx::config::RetentionConfig {
+        batch_size: 7,
+        ..Default::default()
+    };
+    let deleted = obx::outbox::retention::run_once(&db, &config).await.unwrap();
+    assert_eq!(deleted, 19, "old published rows, in batches of 7");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(left, 11, "the unpublished old row and the ten young ones stay");
+}
+
+fn which(name: &str) -> Result<std::path::PathBuf, ()> {
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(name)).find(|p| p.exists()))
+        .ok_or(())
+}
