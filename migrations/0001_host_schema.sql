@@ -46,18 +46,67 @@ CREATE TABLE obx.outbox_delivery_failure (
 CREATE INDEX ix_outbox_delivery_failure_key ON obx.outbox_delivery_failure(partition_key, outbox_id);
 
 -- Inbox (R-DIST-OBX-2): events stored on receipt for subscriptions in inbox mode, then
--- processed from here. Keyed by consumer too, so that two plugins can take the same event.
+-- processed from here, each in its own transaction. The columns up to processed_at are the
+-- seed's; consumer is part of the key so that two plugins can take the same event. The rest
+-- is OBX's: arrival order (seq), what the handler needs, and the retry state. Events of a
+-- dedup-mode subscription land here too when their key is parked behind a dead letter, so
+-- that they wait their turn in order.
 CREATE TABLE obx.inbox_event (
-    consumer     text        NOT NULL,
-    event_id     uuid        NOT NULL,
-    topic        text        NOT NULL,
-    received_at  timestamptz NOT NULL DEFAULT now(),
-    payload      jsonb       NOT NULL,
-    processed    boolean     NOT NULL DEFAULT false,
-    processed_at timestamptz,
+    consumer        text        NOT NULL,
+    event_id        uuid        NOT NULL,
+    topic           text        NOT NULL,
+    received_at     timestamptz NOT NULL DEFAULT now(),
+    payload         jsonb       NOT NULL,
+    processed       boolean     NOT NULL DEFAULT false,
+    processed_at    timestamptz,
+    seq             bigint      GENERATED ALWAYS AS IDENTITY,
+    event_type      text        NOT NULL,
+    partition_key   text,
+    headers         jsonb       NOT NULL DEFAULT '{}',
+    attempts        integer     NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz,
+    last_error      text,
+    parked          boolean     NOT NULL DEFAULT false,
     PRIMARY KEY (consumer, event_id)
 );
 CREATE INDEX ix_inbox_event_unprocessed ON obx.inbox_event(received_at) WHERE NOT processed;
+CREATE INDEX ix_inbox_event_queue ON obx.inbox_event(consumer, seq) WHERE NOT processed;
+CREATE INDEX ix_inbox_event_key ON obx.inbox_event(consumer, partition_key, seq) WHERE NOT processed;
+CREATE INDEX ix_inbox_event_processed_at ON obx.inbox_event USING brin (processed_at);
+
+-- Events whose handler kept failing. The event stays in inbox_event, parked, and so do the
+-- later events of its key: its key is parked until someone retries or discards it.
+CREATE TABLE obx.dead_letter (
+    id            bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer      text        NOT NULL,
+    event_id      uuid        NOT NULL,
+    topic         text        NOT NULL,
+    partition_key text,
+    event_type    text        NOT NULL,
+    error         text        NOT NULL,
+    attempts      integer     NOT NULL,
+    status        text        NOT NULL DEFAULT 'parked' CHECK (status IN ('parked', 'retried', 'discarded')),
+    parked_at     timestamptz NOT NULL DEFAULT now(),
+    resolved_at   timestamptz,
+    FOREIGN KEY (consumer, event_id) REFERENCES obx.inbox_event(consumer, event_id) ON DELETE CASCADE
+);
+CREATE INDEX ix_dead_letter_parked ON obx.dead_letter(consumer, id) WHERE status = 'parked';
+
+-- Messages that are not events OBX can hand to a handler (no eventId header, a value that is
+-- not JSON, a key that is not UTF-8, too large): kept with the reason, never retried.
+CREATE TABLE obx.quarantine (
+    id              bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer        text        NOT NULL,
+    topic           text        NOT NULL,
+    kafka_partition integer     NOT NULL,
+    kafka_offset    bigint      NOT NULL,
+    key             bytea,
+    value           bytea,
+    headers         jsonb       NOT NULL,
+    reason          text        NOT NULL,
+    received_at     timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (consumer, topic, kafka_partition, kafka_offset)
+);
 
 -- Dedup (the default delivery mode): one row per event a consumer has taken effect on,
 -- written in the same transaction as the handler's own writes.

@@ -45,7 +45,13 @@ async fn every_committed_row_is_published_once_with_key_value_and_headers() {
     all_published(&host, 20).await;
 
     // The seed's topic. With an external broker other tests may write here too: keep ours.
-    let messages = consume(&bootstrap, "order.events", usize::MAX, Duration::from_secs(5)).await;
+    let messages = consume(
+        &bootstrap,
+        &host.topic("order.events"),
+        usize::MAX,
+        Duration::from_secs(5),
+    )
+    .await;
     let ours: Vec<_> = messages
         .iter()
         .filter(|m| m.key.as_ref().is_some_and(|k| order_ids.contains(k)))
@@ -87,9 +93,15 @@ async fn a_rolled_back_command_publishes_nothing() {
         assert!(a.status >= 400);
     }
     all_published(&host, 3).await;
-    let messages = consume(&bootstrap, &t, usize::MAX, Duration::from_secs(3)).await;
+    let messages = consume(&bootstrap, &host.topic(&t), usize::MAX, Duration::from_secs(3)).await;
     assert_eq!(messages.len(), 3, "only the three committed events");
-    let testbed_topic = consume(&bootstrap, "testbed.events", usize::MAX, Duration::from_secs(2)).await;
+    let testbed_topic = consume(
+        &bootstrap,
+        &host.topic("testbed.events"),
+        usize::MAX,
+        Duration::from_secs(2),
+    )
+    .await;
     assert!(
         testbed_topic
             .iter()
@@ -114,7 +126,7 @@ async fn a_batch_spanning_topics_reaches_each_topic() {
     assert_eq!((a.status, &a.body["emitted"]), (200, &json!(9)));
     all_published(&host, 9).await;
     for (n, t) in topics.iter().enumerate() {
-        let messages = consume(&bootstrap, t, usize::MAX, Duration::from_secs(3)).await;
+        let messages = consume(&bootstrap, &host.topic(t), usize::MAX, Duration::from_secs(3)).await;
         let mut indexes: Vec<u64> = messages.iter().map(|m| m.json()["i"].as_u64().unwrap()).collect();
         indexes.sort();
         assert_eq!(indexes, vec![n as u64, n as u64 + 3, n as u64 + 6], "topic {t}");
@@ -125,11 +137,11 @@ async fn a_batch_spanning_topics_reaches_each_topic() {
 #[tokio::test]
 async fn three_relays_keep_per_key_order_without_duplicates() {
     let broker = broker();
-    let first = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let first = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
     let url = first.database_url.clone();
     let mut others = Vec::new();
     for _ in 0..2 {
-        others.push(obx_tests::spawn_host_on(&url, &["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await);
+        others.push(obx_tests::spawn_host_on(&url, &["testbed"], |c| broker.configure(c)).await);
     }
     let hosts: Vec<&TestHost> = std::iter::once(&first).chain(others.iter()).collect();
     // Let the relays share the shards out before the load starts.
@@ -152,7 +164,7 @@ async fn three_relays_keep_per_key_order_without_duplicates() {
     }
     all_published(&first, 10_000).await;
 
-    let messages = consume(&broker.bootstrap, &t, 10_000, Duration::from_secs(30)).await;
+    let messages = consume(&broker.bootstrap, &first.topic(&t), 10_000, Duration::from_secs(30)).await;
     assert_eq!(messages.len(), 10_000);
     let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
     assert_eq!(ids.len(), 10_000, "duplicates on the broker");
@@ -190,7 +202,7 @@ async fn commands_succeed_while_the_broker_is_down_and_the_backlog_drains_after(
         eprintln!("skipped: needs the mock cluster to take the broker down");
         return;
     };
-    let host = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
     let t = topic("outage");
     let a = host
         .command("testbed", "emit", json!({ "id": "before", "topic": t, "count": 5 }))
@@ -218,7 +230,7 @@ async fn commands_succeed_while_the_broker_is_down_and_the_backlog_drains_after(
 
     mock.up(1).unwrap();
     all_published(&host, 105).await;
-    let messages = consume(&broker.bootstrap, &t, 105, Duration::from_secs(30)).await;
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 105, Duration::from_secs(30)).await;
     let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
     assert_eq!(ids.len(), 105, "everything delivered");
     host.shutdown().await;
@@ -227,7 +239,7 @@ async fn commands_succeed_while_the_broker_is_down_and_the_backlog_drains_after(
 #[tokio::test]
 async fn a_relay_killed_between_send_and_mark_sends_again() {
     let broker = broker();
-    let host = spawn_host_with(&["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
     let url = host.database_url.clone();
     // Hold the relay inside its mark: the UPDATE of published_at sleeps.
     sqlx::raw_sql(
@@ -240,12 +252,13 @@ async fn a_relay_killed_between_send_and_mark_sends_again() {
     .await
     .unwrap();
     let t = topic("killed");
+    let physical = host.topic(&t);
     let a = host
         .command("testbed", "emit", json!({ "id": "k", "topic": t, "count": 10 }))
         .await;
     assert_eq!(a.status, 200);
     // The messages reach the broker; then the relay is killed before its mark commits.
-    let first = consume(&broker.bootstrap, &t, 10, Duration::from_secs(10)).await;
+    let first = consume(&broker.bootstrap, &physical, 10, Duration::from_secs(10)).await;
     assert_eq!(first.len(), 10, "sent");
     let TestHost { host: killed, db, .. } = host;
     killed.kill().await;
@@ -260,9 +273,9 @@ async fn a_relay_killed_between_send_and_mark_sends_again() {
     assert_eq!(left, 10, "the mark died with the relay");
 
     // A new host on the same database sends them again.
-    let again = obx_tests::spawn_host_on(&url, &["testbed"], |c| c.kafka.brokers = broker.bootstrap.clone()).await;
+    let again = obx_tests::spawn_host_on(&url, &["testbed"], |c| broker.configure(c)).await;
     all_published(&again, 10).await;
-    let all = consume(&broker.bootstrap, &t, 20, Duration::from_secs(10)).await;
+    let all = consume(&broker.bootstrap, &physical, 20, Duration::from_secs(10)).await;
     let ids: HashSet<&str> = all.iter().map(|m| m.header("eventId").unwrap()).collect();
     assert_eq!(ids.len(), 10, "no loss");
     assert_eq!(all.len(), 20, "each sent twice: a duplicate is allowed, a loss is not");
@@ -286,7 +299,7 @@ async fn kcat_reads_key_value_and_headers() {
             &host.host.brokers.bootstrap,
             "-C",
             "-t",
-            "order.events",
+            &host.topic("order.events"),
             "-o",
             "beginning",
             "-e",
@@ -342,9 +355,11 @@ async fn replay_republishes_stored_events_marked_as_replays() {
         aggregate_id: Some("a".into()),
         ..Default::default()
     };
-    let sent = obx::outbox::replay::replay(&host.db, &producer, &filter).await.unwrap();
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &host.topic_prefix, &filter)
+        .await
+        .unwrap();
     assert_eq!(sent, 2);
-    let messages = consume(&bootstrap, &t, 6, Duration::from_secs(10)).await;
+    let messages = consume(&bootstrap, &host.topic(&t), 6, Duration::from_secs(10)).await;
     let replays: Vec<_> = messages
         .iter()
         .filter(|m| m.header("obx-replay") == Some("true"))
@@ -352,7 +367,7 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     assert_eq!(replays.len(), 2);
     assert!(replays.iter().all(|m| m.key.as_deref() == Some("a")));
     // Without a filter, replay refuses to send the whole outbox.
-    let all = obx::outbox::replay::replay(&host.db, &producer, &Default::default()).await;
+    let all = obx::outbox::replay::replay(&host.db, &producer, &host.topic_prefix, &Default::default()).await;
     assert!(all.is_err());
     host.shutdown().await;
 }
@@ -385,7 +400,7 @@ async fn retention_deletes_old_published_rows_only() {
         batch_size: 7,
         ..Default::default()
     };
-    let deleted = obx::outbox::retention::run_once(&db, &config).await.unwrap();
+    let deleted = obx::retention::outbox(&db, &config).await.unwrap();
     assert_eq!(deleted, 19, "old published rows, in batches of 7");
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event")
         .fetch_one(&db)

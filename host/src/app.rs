@@ -14,11 +14,14 @@ use crate::api::{self, AppState};
 use crate::config::Config;
 use crate::db::{self, embedded::EmbeddedPostgres};
 use crate::dispatch::Dispatcher;
+use crate::inbox::consumer::Consumer;
+use crate::inbox::processor::Processor;
 use crate::kafka::Brokers;
 use crate::outbox::relay::{self, Relay};
-use crate::outbox::{retention, OutboxSignal};
+use crate::retention;
 use crate::runtime::registry::Registry;
 use crate::runtime::Runtime;
+use crate::signal::Signal;
 
 /// A running host. Dropping it does not stop it; call [`Host::shutdown`].
 pub struct Host {
@@ -30,7 +33,10 @@ pub struct Host {
     ready: Arc<AtomicBool>,
     stop_http: watch::Sender<bool>,
     stop_tasks: watch::Sender<bool>,
+    stop_consumers: watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
+    /// Kafka consumers and inbox processors.
+    consumers: Vec<JoinHandle<()>>,
     /// Background loops: relay, notifier, retention.
     tasks: Vec<JoinHandle<()>>,
     /// The throwaway database, when no URL was configured; stopped with the host.
@@ -57,7 +63,7 @@ pub async fn start(config: Config) -> Result<Host> {
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 
     let brokers = Arc::new(Brokers::start(&config.kafka)?);
-    let signal = OutboxSignal::default();
+    let signal = Signal::default();
     let (stop_tasks, tasks_stopped) = watch::channel(false);
     let mut tasks = Vec::new();
     if config.relay.enabled {
@@ -82,6 +88,40 @@ pub async fn start(config: Config) -> Result<Host> {
         tasks_stopped,
     )));
     let dispatcher = Arc::new(Dispatcher::new(pool.clone(), runtime.clone(), registry.clone(), signal));
+
+    // Consumption: a consumer per plugin with subscriptions, and the inbox processors.
+    let (stop_consumers, consumers_stopped) = watch::channel(false);
+    let mut consumers = Vec::new();
+    if config.consumer.enabled {
+        let inbox = Signal::default();
+        for plugin in registry.plugins() {
+            if plugin.manifest.subscriptions.is_empty() {
+                continue;
+            }
+            let consumer = Consumer {
+                plugin: plugin.manifest.name.clone(),
+                group: format!("{}.{}", config.service.name, plugin.manifest.name),
+                dispatcher: dispatcher.clone(),
+                registry: registry.clone(),
+                brokers: brokers.clone(),
+                kafka: config.kafka.clone(),
+                config: config.consumer.clone(),
+                inbox: inbox.clone(),
+                shutdown: consumers_stopped.clone(),
+            };
+            consumers.push(tokio::spawn(consumer.run()));
+        }
+        for _ in 0..config.consumer.inbox_processors {
+            let processor = Processor {
+                dispatcher: dispatcher.clone(),
+                registry: registry.clone(),
+                config: config.consumer.clone(),
+                wake: inbox.subscribe(),
+                shutdown: consumers_stopped.clone(),
+            };
+            consumers.push(tokio::spawn(processor.run()));
+        }
+    }
     let ready = Arc::new(AtomicBool::new(false));
     let state = AppState {
         dispatcher,
@@ -114,7 +154,9 @@ pub async fn start(config: Config) -> Result<Host> {
         ready,
         stop_http,
         stop_tasks,
+        stop_consumers,
         server,
+        consumers,
         tasks,
         _embedded: embedded,
     })
@@ -130,22 +172,27 @@ impl Host {
     pub async fn kill(self) {
         self.ready.store(false, Ordering::SeqCst);
         self.server.abort();
-        for task in &self.tasks {
+        for task in self.consumers.iter().chain(&self.tasks) {
             task.abort();
         }
         let _ = self.server.await;
-        for task in self.tasks {
+        for task in self.consumers.into_iter().chain(self.tasks) {
             let _ = task.await;
         }
         self.pool.close().await;
     }
 
-    /// Stops accepting requests and lets in-flight ones finish, then stops the background
-    /// loops (the relay flushes what it has in flight), then closes the pool.
+    /// Stops in order: readiness goes false; the HTTP server stops accepting and lets
+    /// in-flight commands finish; consumers and inbox processors finish the event in hand and
+    /// commit their offsets; the relay flushes what it has in flight; the pool closes.
     pub async fn shutdown(self) -> Result<()> {
         self.ready.store(false, Ordering::SeqCst);
         let _ = self.stop_http.send(true);
         self.server.await??;
+        let _ = self.stop_consumers.send(true);
+        for task in self.consumers {
+            let _ = task.await;
+        }
         let _ = self.stop_tasks.send(true);
         for task in self.tasks {
             let _ = task.await;

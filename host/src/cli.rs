@@ -38,6 +38,37 @@ enum Command {
         #[command(subcommand)]
         command: OutboxCommand,
     },
+    /// The dead-letter table: events whose handler kept failing, and quarantined messages.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum DlqCommand {
+    /// Lists parked events (newest first), with how many later events of their key wait.
+    List {
+        /// Only this plugin's.
+        #[arg(long)]
+        plugin: Option<String>,
+        /// Also retried and discarded ones.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sends parked events back to be processed, attempts reset; their keys follow in order.
+    Retry { ids: Vec<i64> },
+    /// Marks parked events processed without running them; their keys move on.
+    Discard { ids: Vec<i64> },
+    /// Lists quarantined messages (not events: no eventId, not JSON, ...), newest first.
+    Quarantine {
+        #[arg(long)]
+        plugin: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -140,7 +171,77 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
             outbox_replay(cli.config, filter).await
         }
+        Command::Dlq { command } => dlq(cli.config, command).await,
     }
+}
+
+async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {
+    use crate::inbox::dlq;
+    let config = Config::load(config.as_deref())?;
+    let url = config
+        .database
+        .url
+        .as_ref()
+        .context("the dead-letter table is in the database: set DATABASE_URL")?;
+    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    match command {
+        DlqCommand::List { plugin, all, json } => {
+            let letters = dlq::list(&pool, plugin.as_deref(), all).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&letters)?);
+            } else if letters.is_empty() {
+                println!("no parked events");
+            } else {
+                println!(
+                    "{:>6}  {:<10}  {:<14}  {:<20}  {:>8}  {:>7}  error",
+                    "id", "status", "plugin", "key", "attempts", "waiting"
+                );
+                for d in letters {
+                    println!(
+                        "{:>6}  {:<10}  {:<14}  {:<20}  {:>8}  {:>7}  {} ({} {})",
+                        d.id,
+                        d.status,
+                        d.consumer,
+                        d.partition_key.unwrap_or_default(),
+                        d.attempts,
+                        d.waiting,
+                        d.error,
+                        d.event_type,
+                        d.event_id
+                    );
+                }
+            }
+        }
+        DlqCommand::Retry { ids } | DlqCommand::Discard { ids } if ids.is_empty() => {
+            anyhow::bail!("give the ids of the dead letters (see `obx dlq list`)");
+        }
+        DlqCommand::Retry { ids } => {
+            for id in ids {
+                dlq::retry(&pool, id).await?;
+                println!("{id}: sent back for processing");
+            }
+        }
+        DlqCommand::Discard { ids } => {
+            for id in ids {
+                dlq::discard(&pool, id).await?;
+                println!("{id}: discarded");
+            }
+        }
+        DlqCommand::Quarantine { plugin, json } => {
+            let rows = dlq::quarantined(&pool, plugin.as_deref()).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                for q in rows {
+                    println!(
+                        "{:>6}  {}  {}[{}]@{}  {}",
+                        q.id, q.consumer, q.topic, q.kafka_partition, q.kafka_offset, q.reason
+                    );
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::ReplayFilter) -> Result<ExitCode> {
@@ -161,7 +262,7 @@ async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::R
         config.relay.linger_ms,
         Some(std::time::Duration::from_secs(30)),
     )?;
-    let sent = crate::outbox::replay::replay(&pool, &producer, &filter).await?;
+    let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka.topic_prefix, &filter).await?;
     println!("replayed {sent} events");
     Ok(ExitCode::SUCCESS)
 }

@@ -18,13 +18,70 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
+    pub service: ServiceConfig,
     pub http: HttpConfig,
     pub database: DatabaseConfig,
     pub plugins: PluginsConfig,
     pub limits: Limits,
     pub kafka: KafkaConfig,
     pub relay: RelayConfig,
+    pub consumer: ConsumerConfig,
     pub retention: RetentionConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// The service this host belongs to. Consumer groups are `<name>.<plugin>`, so two
+    /// services must not share a name on one Kafka cluster.
+    pub name: String,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig { name: "obx".into() }
+    }
+}
+
+/// Event consumption: the Kafka consumers of the plugins' subscriptions, and the inbox
+/// processors.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsumerConfig {
+    pub enabled: bool,
+    /// Attempts of a failing handler before its event is parked in the dead-letter table.
+    pub max_attempts: u32,
+    #[serde(with = "humantime_serde")]
+    pub backoff_initial: Duration,
+    #[serde(with = "humantime_serde")]
+    pub backoff_max: Duration,
+    /// Larger messages are quarantined.
+    pub max_message_bytes: usize,
+    /// Partitions a plugin's consumer works on at once (each partition stays in order).
+    pub lanes: u32,
+    /// Inbox processors per host.
+    pub inbox_processors: u32,
+    /// Fallback poll of the inbox processors.
+    #[serde(with = "humantime_serde")]
+    pub inbox_poll_interval: Duration,
+    /// librdkafka `auto.commit.interval.ms`: how often stored offsets are committed.
+    pub auto_commit_interval_ms: u32,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            enabled: true,
+            max_attempts: 5,
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            max_message_bytes: 1024 * 1024,
+            lanes: 8,
+            inbox_processors: 2,
+            inbox_poll_interval: Duration::from_millis(500),
+            auto_commit_interval_ms: 1000,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -95,6 +152,14 @@ pub struct KafkaConfig {
     pub client_id: String,
     /// Brokers in the embedded mock cluster.
     pub embedded_brokers: u32,
+    /// Prepended to every topic name on the brokers (e.g. `staging.`), so that several
+    /// environments can share one Kafka cluster. Plugins and the outbox use the names without it.
+    pub topic_prefix: String,
+    /// Create missing topics (those plugins subscribe to, and those the relay publishes to),
+    /// where the brokers allow it. Off: topics must be provisioned beforehand.
+    pub create_topics: bool,
+    /// Partitions of the topics OBX creates (`-1`: the brokers' default).
+    pub topic_partitions: i32,
     /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
     /// OBX's own settings. Values are treated as secrets and never shown.
     pub properties: BTreeMap<String, Secret>,
@@ -106,6 +171,9 @@ impl Default for KafkaConfig {
             brokers: String::new(),
             client_id: "obx".into(),
             embedded_brokers: 1,
+            topic_prefix: String::new(),
+            create_topics: true,
+            topic_partitions: -1,
             properties: BTreeMap::new(),
         }
     }
@@ -149,13 +217,24 @@ impl Default for RelayConfig {
     }
 }
 
-/// Deletes old published outbox rows. Unpublished rows are never deleted.
+/// Deletes old rows: published outbox rows, the dedup window of `processed_event`, processed
+/// inbox rows, stored idempotency answers. Unpublished and unprocessed rows are never deleted.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetentionConfig {
-    /// Published rows older than this are deleted.
+    /// Published outbox rows older than this are deleted.
     #[serde(with = "humantime_serde")]
     pub outbox_after: Duration,
+    /// The dedup window: `processed_event` rows older than this are deleted. An event
+    /// redelivered after it would run again, so keep it longer than any redelivery.
+    #[serde(with = "humantime_serde")]
+    pub processed_after: Duration,
+    /// Processed inbox rows older than this are deleted.
+    #[serde(with = "humantime_serde")]
+    pub inbox_after: Duration,
+    /// Stored `Idempotency-Key` answers older than this are deleted.
+    #[serde(with = "humantime_serde")]
+    pub idempotency_after: Duration,
     /// How often the job runs.
     #[serde(with = "humantime_serde")]
     pub interval: Duration,
@@ -167,6 +246,9 @@ impl Default for RetentionConfig {
     fn default() -> Self {
         RetentionConfig {
             outbox_after: Duration::from_secs(7 * 24 * 3600),
+            processed_after: Duration::from_secs(14 * 24 * 3600),
+            inbox_after: Duration::from_secs(7 * 24 * 3600),
+            idempotency_after: Duration::from_secs(24 * 3600),
             interval: Duration::from_secs(600),
             batch_size: 5000,
         }
@@ -337,6 +419,27 @@ impl Config {
             return invalid(
                 "relay.backoff_initial",
                 "must be greater than 0 and at most relay.backoff_max",
+            );
+        }
+        if self.service.name.is_empty()
+            || !self
+                .service
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return invalid("service.name", "must be non-empty, of A-Z a-z 0-9 . _ -");
+        }
+        if self.consumer.max_attempts == 0 {
+            return invalid("consumer.max_attempts", "must be at least 1");
+        }
+        if self.consumer.lanes == 0 {
+            return invalid("consumer.lanes", "must be at least 1");
+        }
+        if self.consumer.backoff_initial.is_zero() || self.consumer.backoff_max < self.consumer.backoff_initial {
+            return invalid(
+                "consumer.backoff_initial",
+                "must be greater than 0 and at most consumer.backoff_max",
             );
         }
         if self.retention.batch_size == 0 {

@@ -17,16 +17,17 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction};
 
-use crate::outbox::{self, OutboxSignal};
+use crate::outbox;
 use crate::runtime::bindings::{guest, types::HandlerError};
 use crate::runtime::registry::Registry;
 use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
+use crate::signal::Signal;
 
 pub struct Dispatcher {
-    pool: PgPool,
+    pub(crate) pool: PgPool,
     runtime: Arc<Runtime>,
     registry: Arc<Registry>,
-    signal: OutboxSignal,
+    signal: Signal,
 }
 
 pub struct CommandRequest {
@@ -169,7 +170,7 @@ fn db_error(e: impl Into<anyhow::Error>) -> CommandError {
 const HANDLER_SAVEPOINT: &str = "SAVEPOINT obx_handler";
 
 impl Dispatcher {
-    pub fn new(pool: PgPool, runtime: Arc<Runtime>, registry: Arc<Registry>, signal: OutboxSignal) -> Dispatcher {
+    pub fn new(pool: PgPool, runtime: Arc<Runtime>, registry: Arc<Registry>, signal: Signal) -> Dispatcher {
         Dispatcher {
             pool,
             runtime,
@@ -329,9 +330,91 @@ impl Dispatcher {
         if !events.is_empty() {
             metrics::counter!("obx_outbox_events_written_total", "plugin" => plugin.manifest.name.clone())
                 .increment(events.len() as u64);
-            self.signal.committed();
+            self.signal.notify();
         }
         Ok(())
+    }
+}
+
+/// Why an event handler did not take effect.
+#[derive(Debug)]
+pub struct EventFailure {
+    /// For logs, `last_error` and the dead-letter table (the operator's eyes only).
+    pub error: String,
+    /// Whether another attempt can help: not for invalid input or a business rejection.
+    pub retriable: bool,
+}
+
+impl Dispatcher {
+    /// Runs `handle-event` in `tx`. On success the handler's writes and its outbox rows are
+    /// in `tx`, back under the host's role: the caller adds its own bookkeeping (the dedup
+    /// row, the inbox mark) and commits with [`Dispatcher::commit_event`]. On failure `tx`
+    /// has been rolled back.
+    pub async fn run_event(
+        &self,
+        plugin: &Plugin,
+        mut tx: Transaction<'static, Postgres>,
+        event: guest::Event,
+    ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
+        let started = Instant::now();
+        let failure = |error: String, retriable: bool| EventFailure { error, retriable };
+        if let Err(e) = enter_plugin(&mut tx, plugin, self.runtime.limits()).await {
+            return Err(failure(format!("database: {e}"), true));
+        }
+        let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
+        let outcome = match (result, tx) {
+            (Ok(()), Some(mut tx)) => {
+                let written = async {
+                    leave_plugin(&mut tx).await?;
+                    outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, &events).await
+                }
+                .await;
+                match written {
+                    Ok(()) => Ok((tx, events.len())),
+                    Err(e) => Err(failure(format!("database: {e}"), true)),
+                }
+            }
+            (Ok(()), None) => Err(failure("the call lost its transaction".into(), true)),
+            (Err(e), tx) => {
+                if let Some(tx) = tx {
+                    let _ = tx.rollback().await;
+                }
+                let retriable = !matches!(
+                    e,
+                    CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
+                );
+                Err(failure(describe_call_error(&e), retriable))
+            }
+        };
+        let label = if outcome.is_ok() { "ok" } else { "failed" };
+        metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
+            .increment(1);
+        metrics::histogram!("obx_event_handler_duration_seconds", "plugin" => plugin.manifest.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    /// Commits an event's transaction and wakes the relay if it wrote outbox rows.
+    pub async fn commit_event(&self, tx: Transaction<'static, Postgres>, events: usize) -> sqlx::Result<()> {
+        tx.commit().await?;
+        if events > 0 {
+            self.signal.notify();
+        }
+        Ok(())
+    }
+}
+
+/// A call error in words, for the operator.
+fn describe_call_error(e: &CallError) -> String {
+    match e {
+        CallError::Handler(HandlerError::Rejected(r)) => format!("rejected ({}): {}", r.code, r.message),
+        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {m}"),
+        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {m}"),
+        CallError::Aborted(m) => format!("transaction aborted: {m}"),
+        CallError::Trapped(Trap::Deadline) => "ran past its deadline".into(),
+        CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {m}"),
+        CallError::Trapped(Trap::Fault(m)) => format!("trapped: {m}"),
+        CallError::Busy => "no free call slot".into(),
     }
 }
 

@@ -59,6 +59,68 @@ impl Brokers {
     }
 }
 
+/// Creates the topics that do not exist yet, with the brokers' default partition count and
+/// replication factor. A consumer whose topics all exist when it subscribes joins its group
+/// at once; one that subscribes to a missing topic waits for a rebalance once it appears.
+/// Where the brokers refuse (no permission, auto-creation managed elsewhere), that is logged
+/// and the consumer subscribes anyway.
+pub async fn ensure_topics(brokers: &Brokers, config: &KafkaConfig, topics: &[String]) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::error::RDKafkaErrorCode;
+    use std::time::Duration;
+
+    let admin: AdminClient<DefaultClientContext> = match brokers.client_config(config).create() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot create a Kafka admin client");
+            return;
+        }
+    };
+    let existing: Vec<String> = match admin.inner().fetch_metadata(None, Duration::from_secs(5)) {
+        Ok(m) => m
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none())
+            .map(|t| t.name().to_string())
+            .collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the topic list");
+            return;
+        }
+    };
+    let missing: Vec<&String> = topics.iter().filter(|t| !existing.contains(t)).collect();
+    if missing.is_empty() {
+        return;
+    }
+    if let Some(mock) = brokers.mock() {
+        for topic in missing {
+            let _ = mock.create_topic(topic, config.topic_partitions.max(4));
+        }
+        return;
+    }
+    let new: Vec<NewTopic<'_>> = missing
+        .iter()
+        .map(|t| NewTopic::new(t, config.topic_partitions, TopicReplication::Fixed(-1)))
+        .collect();
+    let options = AdminOptions::new()
+        .operation_timeout(Some(Duration::from_secs(5)))
+        .request_timeout(Some(Duration::from_secs(5)));
+    match tokio::time::timeout(Duration::from_secs(6), admin.create_topics(&new, &options)).await {
+        Ok(Ok(results)) => {
+            for result in results {
+                match result {
+                    Ok(topic) => tracing::info!(%topic, "created topic"),
+                    Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((topic, code)) => tracing::warn!(%topic, ?code, "could not create topic"),
+                }
+            }
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not create topics"),
+        Err(_) => tracing::warn!("creating topics timed out"),
+    }
+}
+
 /// librdkafka's in-process mock cluster.
 pub struct MockBroker(MockCluster<'static, DefaultProducerContext>);
 

@@ -89,9 +89,94 @@ pub fn test_config(database_url: &str, plugin_dir: &Path) -> Config {
     config.limits.call_deadline = Duration::from_millis(1500);
     config.limits.memory_bytes = 64 * 1024 * 1024;
     config.kafka.brokers = std::env::var("KAFKA_BROKERS").unwrap_or_default();
+    if !config.kafka.brokers.is_empty() {
+        // A shared external broker: each test's hosts get topics of their own.
+        let db = database_url.rsplit('/').next().unwrap_or("db");
+        config.kafka.topic_prefix = format!("{}.", &db[db.len().saturating_sub(8)..]);
+    }
     config.relay.poll_interval = Duration::from_millis(200);
     config.relay.backoff_max = Duration::from_secs(1);
+    // Hosts on one database are one service: they share consumer groups.
+    let db = database_url.rsplit('/').next().unwrap_or("db");
+    config.service.name = format!("test-{db}");
+    config.consumer.backoff_initial = Duration::from_millis(20);
+    config.consumer.backoff_max = Duration::from_millis(200);
+    config.consumer.inbox_poll_interval = Duration::from_millis(100);
     config
+}
+
+/// A producer for a test's own messages (as another service would send them).
+pub fn producer(bootstrap: &str) -> rdkafka::producer::FutureProducer {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("message.timeout.ms", "10000")
+        .create()
+        .expect("test producer")
+}
+
+/// Sends one raw message and waits for its acknowledgement.
+pub async fn send_raw(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+    headers: &[(&str, &[u8])],
+) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let mut h = OwnedHeaders::new();
+    for (k, v) in headers {
+        h = h.insert(Header {
+            key: k,
+            value: Some(*v),
+        });
+    }
+    let mut record: rdkafka::producer::FutureRecord<'_, [u8], [u8]> =
+        rdkafka::producer::FutureRecord::to(topic).headers(h);
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    if let Some(v) = value {
+        record = record.payload(v);
+    }
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .expect("sending a test message");
+}
+
+/// Sends an event the way a service following the seed does: `eventId` and `eventType`
+/// headers, a JSON value. Returns its event id.
+pub async fn send_event(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: &str,
+    event_type: &str,
+    payload: &Value,
+) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    send_event_with_id(producer, topic, key, event_type, payload, id).await;
+    id
+}
+
+pub async fn send_event_with_id(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: &str,
+    event_type: &str,
+    payload: &Value,
+    id: uuid::Uuid,
+) {
+    let id = id.to_string();
+    let value = payload.to_string();
+    send_raw(
+        producer,
+        topic,
+        Some(key.as_bytes()),
+        Some(value.as_bytes()),
+        &[("eventId", id.as_bytes()), ("eventType", event_type.as_bytes())],
+    )
+    .await;
 }
 
 /// A Kafka-protocol broker for a test: the one in `KAFKA_BROKERS` if set, otherwise a fresh
@@ -113,6 +198,17 @@ pub fn broker() -> TestBroker {
                 bootstrap: mock.bootstrap(),
                 mock: Some(mock),
             }
+        }
+    }
+}
+
+impl TestBroker {
+    /// Points a host at this broker.
+    pub fn configure(&self, config: &mut Config) {
+        config.kafka.brokers = self.bootstrap.clone();
+        if self.mock.is_some() {
+            // The mock cluster creates topics on first use, and does not serve CreateTopics.
+            config.kafka.create_topics = false;
         }
     }
 }
@@ -218,6 +314,8 @@ pub struct TestHost {
     pub url: String,
     /// The URL of the host's database.
     pub database_url: String,
+    /// Prepended to topic names on the broker (see `kafka.topic_prefix`).
+    pub topic_prefix: String,
     /// A pool on the host's database, for the tests' own checks (as the host's user).
     pub db: PgPool,
     pub plugin_dir: tempfile::TempDir,
@@ -246,12 +344,14 @@ pub async fn spawn_host_on(database_url: &str, plugins: &[&str], adjust: impl Fn
     }
     let mut config = test_config(&database_url, plugin_dir.path());
     adjust(&mut config);
+    let topic_prefix = config.kafka.topic_prefix.clone();
     let host = obx::app::start(config).await.expect("starting the host");
     let db = PgPool::connect(&database_url).await.unwrap();
     TestHost {
         url: host.url(),
         host,
         database_url,
+        topic_prefix,
         db,
         plugin_dir,
         client: reqwest::Client::new(),
@@ -274,6 +374,11 @@ impl Answer {
 }
 
 impl TestHost {
+    /// The name on the broker of topic `logical`.
+    pub fn topic(&self, logical: &str) -> String {
+        format!("{}{logical}", self.topic_prefix)
+    }
+
     /// `POST /v1/commands/{plugin}/{command}` with a JSON body.
     pub async fn command(&self, plugin: &str, command: &str, body: Value) -> Answer {
         self.request(

@@ -40,6 +40,12 @@ enum Task {
     },
     /// Build the plugins (wasm32-wasip2 components).
     Plugins,
+    /// Run the benchmarks (release build); see docs/benchmarks.md.
+    Bench {
+        /// Arguments passed on to obx-bench, e.g. `relay --rows 100000`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 /// The plugins `cargo xtask run` serves.
@@ -53,12 +59,33 @@ fn main() -> Result<()> {
         Task::Test { args } => {
             ensure_postgres()?;
             ensure_command("kcat", "kcat")?;
+            ensure_interop(&root)?;
             let plugins = build_plugins(&root)?;
             let mut cmd = cargo();
             cmd.current_dir(&root)
                 .args(["test", "--workspace", "--no-fail-fast"])
                 .args(&args);
             cmd.env("OBX_TEST_PLUGINS_DIR", &plugins);
+            let in_process = run(&mut cmd);
+            // The Kafka tests again, against a broker outside the process: the one in
+            // KAFKA_BROKERS, or a tansu started here (OBX_SKIP_EXTERNAL_BROKER=1 skips this).
+            let external = if std::env::var_os("OBX_SKIP_EXTERNAL_BROKER").is_some() || !args.is_empty() {
+                Ok(())
+            } else {
+                external_broker_tests(&root, &plugins)
+            };
+            in_process.and(external)
+        }
+        Task::Bench { args } => {
+            ensure_postgres()?;
+            let plugins = build_plugins(&root)?;
+            let mut cmd = cargo();
+            cmd.current_dir(&root)
+                .args(["run", "--release", "--package", "obx-tests", "--bin", "obx-bench", "--"]);
+            if args.is_empty() {
+                cmd.arg("relay");
+            }
+            cmd.args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
             run(&mut cmd)
         }
         Task::Run { release, args } => {
@@ -83,6 +110,86 @@ fn main() -> Result<()> {
             run(&mut cmd)
         }
     }
+}
+
+/// Runs the relay and consumption tests against an external broker.
+fn external_broker_tests(root: &Path, plugins: &Path) -> Result<()> {
+    let mut tansu = None;
+    let brokers = match std::env::var("KAFKA_BROKERS") {
+        Ok(b) if !b.is_empty() => b,
+        _ => {
+            ensure_tansu()?;
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            let url = format!("tcp://127.0.0.1:{port}");
+            let child = Command::new("tansu")
+                .args(["broker", "--storage-engine", "memory://tansu/", "--listener-url", &url])
+                .args(["--advertised-listener-url", &url])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .context("starting tansu")?;
+            tansu = Some(child);
+            wait_for_port(port)?;
+            format!("127.0.0.1:{port}")
+        }
+    };
+    println!("\n=== relay and consumption tests against the external broker at {brokers}");
+    let result = run(cargo()
+        .current_dir(root)
+        .args([
+            "test",
+            "--package",
+            "obx-tests",
+            "--test",
+            "relay",
+            "--test",
+            "consume",
+            "--no-fail-fast",
+        ])
+        .env("OBX_TEST_PLUGINS_DIR", plugins)
+        .env("KAFKA_BROKERS", &brokers));
+    if let Some(mut child) = tansu {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    result
+}
+
+/// tansu, an Apache Kafka–compatible broker, built from crates.io once (about 11 minutes).
+fn ensure_tansu() -> Result<()> {
+    if on_path("tansu") {
+        return Ok(());
+    }
+    eprintln!("installing tansu (cargo install, about 11 minutes on 2 cores; once)");
+    run(cargo().args(["install", "tansu", "--locked", "--features", "dynostore,postgres"]))
+}
+
+fn wait_for_port(port: u16) -> Result<()> {
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    bail!("nothing listens on port {port}")
+}
+
+/// kafkajs, for the interop test: a producer as services following the seed use.
+fn ensure_interop(root: &Path) -> Result<()> {
+    let dir = root.join("tests/interop");
+    if dir.join("node_modules/kafkajs").exists() {
+        return Ok(());
+    }
+    if !on_path("npm") {
+        apt_install(&["nodejs", "npm"])?;
+    }
+    run(Command::new("npm")
+        .current_dir(&dir)
+        .args(["ci", "--no-audit", "--no-fund"]))
+}
+
+fn on_path(command: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|p| p.join(command).exists()))
 }
 
 fn workspace_root() -> PathBuf {

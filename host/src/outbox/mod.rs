@@ -9,12 +9,8 @@
 
 pub mod relay;
 pub mod replay;
-pub mod retention;
 pub mod writer;
 
-use std::sync::Arc;
-
-use tokio::sync::watch;
 use uuid::Uuid;
 
 /// An event a handler emitted, validated, waiting for its transaction to commit.
@@ -119,28 +115,6 @@ pub fn check_topic(topic: &str) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Wakes the relay (and the notifier that wakes other hosts' relays) when this host commits
-/// outbox rows, so that they need not wait for a poll.
-#[derive(Clone)]
-pub struct OutboxSignal(Arc<watch::Sender<u64>>);
-
-impl Default for OutboxSignal {
-    fn default() -> Self {
-        OutboxSignal(Arc::new(watch::channel(0).0))
-    }
-}
-
-impl OutboxSignal {
-    pub fn committed(&self) {
-        self.0.send_modify(|n| *n = n.wrapping_add(1));
-    }
-
-    /// A receiver whose `changed()` fires after each later commit.
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.0.subscribe()
-    }
 }
 
 #[cfg(test)]

@@ -101,8 +101,9 @@ impl OutboxRow {
             })
     }
 
-    pub fn record<'a>(&'a self, headers: OwnedHeaders) -> FutureRecord<'a, str, str> {
-        FutureRecord::to(&self.topic)
+    /// The Kafka record of this row, for `topic` (the row's topic with the configured prefix).
+    pub fn record<'a>(&'a self, topic: &'a str, headers: OwnedHeaders) -> FutureRecord<'a, str, str> {
+        FutureRecord::to(topic)
             .key(self.partition_key.as_str())
             .payload(self.payload.as_str())
             .timestamp(self.created_at.timestamp_millis())
@@ -165,6 +166,8 @@ struct State {
     /// Sent rows whose delivery report has not arrived yet, by row id, with their shard.
     inflight: HashMap<i64, (i32, DeliveryFuture)>,
     shards: BTreeSet<i32>,
+    /// Topics seen to exist (or created): a new topic is checked once, before its first send.
+    topics: HashSet<String>,
     last_rebalance: Option<Instant>,
     last_stats: Option<Instant>,
 }
@@ -176,6 +179,7 @@ impl Relay {
             producer: None,
             inflight: HashMap::new(),
             shards: BTreeSet::new(),
+            topics: HashSet::new(),
             last_rebalance: None,
             last_stats: None,
         };
@@ -309,11 +313,27 @@ impl Relay {
             return Ok(Outcome::Idle);
         }
 
+        let topics: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{}{}", self.kafka.topic_prefix, r.topic))
+            .collect();
+        if self.kafka.create_topics {
+            let mut new: Vec<String> = topics.iter().filter(|t| !st.topics.contains(*t)).cloned().collect();
+            new.sort();
+            new.dedup();
+            if !new.is_empty() {
+                crate::kafka::ensure_topics(&self.brokers, &self.kafka, &new).await;
+                st.topics.extend(new);
+            }
+        }
+
         // Send, in id order. A key whose row could not be queued sends nothing after it.
         let mut blocked: HashSet<&str> = HashSet::new();
         let mut refused: Vec<(&OutboxRow, String)> = Vec::new();
+        // Topics the broker does not know: created (where allowed) before the next attempt.
+        let mut unknown_topics: Vec<String> = Vec::new();
         let mut sent: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
-        for row in &rows {
+        for (row, topic) in rows.iter().zip(&topics) {
             if blocked.contains(row.partition_key.as_str()) {
                 continue;
             }
@@ -321,7 +341,7 @@ impl Relay {
                 sent.push(row);
                 continue;
             }
-            match producer.send_result(row.record(row.headers())) {
+            match producer.send_result(row.record(topic, row.headers())) {
                 Ok(delivery) => {
                     st.inflight.insert(row.id, (row.shard, delivery));
                     sent.push(row);
@@ -352,7 +372,15 @@ impl Relay {
                     st.inflight.remove(&row.id);
                     match result {
                         Ok(Ok(_)) => acked.push(row),
-                        Ok(Err((e, _))) => refused.push((row, e.to_string())),
+                        Ok(Err((e, _))) => {
+                            let topic = format!("{}{}", self.kafka.topic_prefix, row.topic);
+                            if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition)
+                                && !unknown_topics.contains(&topic)
+                            {
+                                unknown_topics.push(topic);
+                            }
+                            refused.push((row, e.to_string()));
+                        }
                         // The producer that sent it is gone; the row is sent again.
                         Err(_canceled) => {}
                     }
@@ -396,6 +424,10 @@ impl Relay {
             .await?;
         }
         tx.commit().await?;
+        for topic in &unknown_topics {
+            // Check it again before the next attempt.
+            st.topics.remove(topic);
+        }
 
         let now = Utc::now();
         for row in &acked {

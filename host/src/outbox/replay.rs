@@ -31,7 +31,12 @@ const PAGE: i64 = 1000;
 
 /// Replays every matching event, in id order, and waits until the broker has acknowledged
 /// each. Returns how many were sent.
-pub async fn replay(pool: &PgPool, producer: &FutureProducer, filter: &ReplayFilter) -> Result<u64> {
+pub async fn replay(
+    pool: &PgPool,
+    producer: &FutureProducer,
+    topic_prefix: &str,
+    filter: &ReplayFilter,
+) -> Result<u64> {
     let f = filter;
     if f.from_id.is_none()
         && f.to_id.is_none()
@@ -73,8 +78,9 @@ pub async fn replay(pool: &PgPool, producer: &FutureProducer, filter: &ReplayFil
                 key: REPLAY_HEADER,
                 value: Some("true"),
             });
+            let topic = format!("{topic_prefix}{}", row.topic);
             let delivery = producer
-                .send_result(row.record(headers))
+                .send_result(row.record(&topic, headers))
                 .map_err(|(e, _)| e)
                 .with_context(|| format!("queueing outbox row {}", row.id))?;
             deliveries.push((row.id, delivery));

@@ -35,18 +35,36 @@ impl Guest for Testbed {
             .into_iter()
             .map(String::from)
             .collect(),
-            subscriptions: vec![Subscription {
-                topic: "testbed.events".into(),
-                event_types: vec![],
-                mode: DeliveryMode::Dedup,
-            }],
-            migrations: vec![Migration {
-                id: 1,
-                name: "items and counters".into(),
-                sql: "CREATE TABLE items (id text PRIMARY KEY, note text); \
-                      CREATE TABLE counters (name text PRIMARY KEY, n bigint NOT NULL)"
-                    .into(),
-            }],
+            subscriptions: vec![
+                Subscription {
+                    topic: "testbed.events".into(),
+                    event_types: vec![],
+                    mode: DeliveryMode::Dedup,
+                },
+                Subscription {
+                    topic: "testbed.inbox".into(),
+                    event_types: vec![],
+                    mode: DeliveryMode::Inbox,
+                },
+            ],
+            migrations: vec![
+                Migration {
+                    id: 1,
+                    name: "items and counters".into(),
+                    sql: "CREATE TABLE items (id text PRIMARY KEY, note text); \
+                          CREATE TABLE counters (name text PRIMARY KEY, n bigint NOT NULL)"
+                        .into(),
+                },
+                Migration {
+                    id: 2,
+                    name: "effects of events".into(),
+                    // No key on purpose: a second effect of one event would show as a second row.
+                    sql: "CREATE TABLE effects (event_id uuid NOT NULL, topic text NOT NULL, key text, \
+                                                seq bigint, attempt integer NOT NULL, \
+                                                at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                        .into(),
+                },
+            ],
         }
     }
 
@@ -88,7 +106,41 @@ impl Guest for Testbed {
         }
     }
 
-    fn handle_event(_event: Event) -> Result<(), HandlerError> {
+    /// Records one row in `effects` per event it takes effect on. The payload may ask it to
+    /// fail (`"poison": true`), to reject (`"reject": true`), or to emit a follow-up event to
+    /// the topic in `"then"`.
+    fn handle_event(event: Event) -> Result<(), HandlerError> {
+        let p: Value = serde_json::from_str(&event.payload).map_err(|e| invalid(e.to_string()))?;
+        if p["poison"] == true {
+            return Err(HandlerError::Failed(format!(
+                "poisoned event, attempt {}",
+                event.attempt
+            )));
+        }
+        if p["reject"] == true {
+            return Err(reject("testbed-rejects-event", "the testbed rejects this event"));
+        }
+        execute(
+            "INSERT INTO effects (event_id, topic, key, seq, attempt) VALUES ($1, $2, $3, $4, $5)",
+            &[
+                SqlValue::Uuid(event.event_id.clone()),
+                SqlValue::Text(event.topic.clone()),
+                event.key.clone().map_or(SqlValue::Null, SqlValue::Text),
+                p["seq"].as_i64().map_or(SqlValue::Null, SqlValue::Int),
+                SqlValue::Int(event.attempt.into()),
+            ],
+        )?;
+        if let Some(topic) = p["then"].as_str() {
+            emit(&OutboxEvent {
+                event_id: None,
+                aggregate_type: "Item".into(),
+                aggregate_id: event.key.clone().unwrap_or_else(|| event.event_id.clone()),
+                event_type: "FollowUp".into(),
+                payload: json!({ "causationId": event.event_id }).to_string(),
+                topic: topic.into(),
+                partition_key: event.key.clone(),
+            })?;
+        }
         Ok(())
     }
 }

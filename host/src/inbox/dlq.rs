@@ -1,0 +1,146 @@
+//! The dead-letter table: events whose handler kept failing, parked with their error and
+//! attempt count. A parked event holds its key: later events of the same key wait in the
+//! inbox behind it, so a key's order is kept. An operator then either
+//!
+//! * retries it (`obx dlq retry ID`): it goes back to the inbox processors with its attempts
+//!   reset, and the key's waiting events follow it in order; or
+//! * discards it (`obx dlq discard ID`): it is marked processed without running, and the
+//!   key's waiting events proceed.
+
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct DeadLetter {
+    pub id: i64,
+    pub consumer: String,
+    pub event_id: Uuid,
+    pub topic: String,
+    pub partition_key: Option<String>,
+    pub event_type: String,
+    pub error: String,
+    pub attempts: i32,
+    pub status: String,
+    pub parked_at: chrono::DateTime<chrono::Utc>,
+    pub resolved_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Later events of the same key waiting behind this one.
+    pub waiting: i64,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Quarantined {
+    pub id: i64,
+    pub consumer: String,
+    pub topic: String,
+    pub kafka_partition: i32,
+    pub kafka_offset: i64,
+    pub reason: String,
+    pub received_at: chrono::DateTime<chrono::Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DlqError {
+    #[error("there is no parked dead letter with id {0}")]
+    NotParked(i64),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Records a dead letter, in the caller's transaction.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn record(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_id: Uuid,
+    topic: &str,
+    key: Option<&str>,
+    event_type: &str,
+    error: &str,
+    attempts: u32,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO obx.dead_letter (consumer, event_id, topic, partition_key, event_type, error, attempts) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(consumer)
+    .bind(event_id)
+    .bind(topic)
+    .bind(key)
+    .bind(event_type)
+    .bind(error)
+    .bind(attempts as i32)
+    .execute(conn)
+    .await?;
+    metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
+    Ok(())
+}
+
+/// Dead letters, newest first: parked ones only, unless `all`.
+pub async fn list(pool: &PgPool, consumer: Option<&str>, all: bool) -> sqlx::Result<Vec<DeadLetter>> {
+    sqlx::query_as(
+        "SELECT d.id, d.consumer, d.event_id, d.topic, d.partition_key, d.event_type, d.error, d.attempts, \
+                d.status, d.parked_at, d.resolved_at, \
+                (SELECT count(*) FROM obx.inbox_event w \
+                 WHERE w.consumer = d.consumer AND w.partition_key = d.partition_key AND NOT w.processed \
+                   AND w.event_id <> d.event_id) AS waiting \
+         FROM obx.dead_letter d \
+         WHERE ($1::text IS NULL OR d.consumer = $1) AND ($2 OR d.status = 'parked') \
+         ORDER BY d.id DESC LIMIT 1000",
+    )
+    .bind(consumer)
+    .bind(all)
+    .fetch_all(pool)
+    .await
+}
+
+/// Sends a parked event back to the inbox processors, with its attempts reset.
+pub async fn retry(pool: &PgPool, id: i64) -> Result<(), DlqError> {
+    resolve(pool, id, "retried").await
+}
+
+/// Marks a parked event processed without running it, releasing its key.
+pub async fn discard(pool: &PgPool, id: i64) -> Result<(), DlqError> {
+    resolve(pool, id, "discarded").await
+}
+
+async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
+    let mut tx = pool.begin().await?;
+    let target: Option<(String, Uuid)> = sqlx::query_as(
+        "UPDATE obx.dead_letter SET status = $2, resolved_at = now() \
+         WHERE id = $1 AND status = 'parked' RETURNING consumer, event_id",
+    )
+    .bind(id)
+    .bind(status)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((consumer, event_id)) = target else {
+        return Err(DlqError::NotParked(id));
+    };
+    let update = if status == "retried" {
+        "UPDATE obx.inbox_event SET parked = false, attempts = 0, next_attempt_at = NULL \
+         WHERE consumer = $1 AND event_id = $2"
+    } else {
+        "UPDATE obx.inbox_event SET parked = false, processed = true, processed_at = now() \
+         WHERE consumer = $1 AND event_id = $2"
+    };
+    sqlx::query(update)
+        .bind(&consumer)
+        .bind(event_id)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    tracing::info!(id, %consumer, %event_id, status, "dead letter resolved");
+    Ok(())
+}
+
+/// Quarantined messages, newest first.
+pub async fn quarantined(pool: &PgPool, consumer: Option<&str>) -> sqlx::Result<Vec<Quarantined>> {
+    sqlx::query_as(
+        "SELECT id, consumer, topic, kafka_partition, kafka_offset, reason, received_at FROM obx.quarantine \
+         WHERE ($1::text IS NULL OR consumer = $1) ORDER BY id DESC LIMIT 1000",
+    )
+    .bind(consumer)
+    .fetch_all(pool)
+    .await
+}

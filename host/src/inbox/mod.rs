@@ -1,0 +1,204 @@
+//! Event consumption (R-DIST-OBX-2): each event's handler takes effect once.
+//!
+//! * [`consumer`] — one Kafka consumer group per plugin (`<service>.<plugin>`). In dedup mode
+//!   (the default) it runs the handler in a transaction that first inserts
+//!   `(consumer, event_id)` into `processed_event`; in inbox mode it only stores the event in
+//!   `inbox_event`. Either way the offset is stored after the commit, never before.
+//! * [`processor`] — inbox processors: claim the next event of a key with
+//!   `FOR UPDATE SKIP LOCKED` and process it in that same transaction.
+//! * [`dlq`] — the dead-letter table: list, retry, discard.
+//!
+//! Invariants:
+//! * A handler's effects, its outbox rows and the record that the event was processed
+//!   commit in one transaction: a crash at any point redelivers the event, and the record
+//!   makes the redelivery a no-op.
+//! * A key's events are handled in their Kafka order. A failing event is retried with
+//!   backoff; after `consumer.max_attempts` it is parked, and so is every later event of its
+//!   key, until the dead letter is retried or discarded. Other keys keep flowing.
+//! * A message that is not an event (see [`Incoming::parse`]) is quarantined with its reason
+//!   and skipped; it never stops its partition.
+
+pub mod consumer;
+pub mod dlq;
+pub mod processor;
+
+use std::collections::BTreeMap;
+
+use rdkafka::message::{Headers, Message};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::runtime::bindings::guest;
+
+/// An event as it arrived from Kafka, validated.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub event_id: Uuid,
+    pub event_type: String,
+    pub topic: String,
+    pub key: Option<String>,
+    /// Valid JSON text.
+    pub payload: String,
+    /// Every header whose value is UTF-8.
+    pub headers: BTreeMap<String, String>,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Why a message was quarantined.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Quarantine(pub String);
+
+impl Incoming {
+    /// Validates a Kafka message: a UUID `eventId` header, an `eventType` header, a UTF-8
+    /// key (if any), and a JSON value of at most `max_bytes`. The topic loses `topic_prefix`.
+    pub fn parse(m: &impl Message, max_bytes: usize, topic_prefix: &str) -> Result<Incoming, Quarantine> {
+        let q = |reason: String| Quarantine(reason);
+        let value = m.payload().ok_or_else(|| q("the message has no value".into()))?;
+        if value.len() > max_bytes {
+            return Err(q(format!(
+                "the value is {} bytes, over the limit of {max_bytes}",
+                value.len()
+            )));
+        }
+        let key = match m.key() {
+            None => None,
+            Some(k) => Some(
+                std::str::from_utf8(k)
+                    .map_err(|_| q("the key is not UTF-8".into()))?
+                    .to_string(),
+            ),
+        };
+        let headers = utf8_headers(m);
+        let event_id = headers
+            .get("eventId")
+            .ok_or_else(|| q("the message has no eventId header".into()))?;
+        let event_id =
+            Uuid::parse_str(event_id).map_err(|_| q(format!("the eventId header {event_id:?} is not a UUID")))?;
+        let event_type = headers
+            .get("eventType")
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| q("the message has no eventType header".into()))?
+            .clone();
+        let payload = std::str::from_utf8(value).map_err(|_| q("the value is not UTF-8".into()))?;
+        serde_json::from_str::<serde::de::IgnoredAny>(payload).map_err(|e| q(format!("the value is not JSON: {e}")))?;
+        Ok(Incoming {
+            event_id,
+            event_type,
+            topic: m.topic().strip_prefix(topic_prefix).unwrap_or(m.topic()).to_string(),
+            key,
+            payload: payload.to_string(),
+            headers,
+            partition: m.partition(),
+            offset: m.offset(),
+        })
+    }
+
+    /// The event as the plugin sees it.
+    pub fn to_guest(&self, attempt: u32) -> guest::Event {
+        guest::Event {
+            event_id: self.event_id.to_string(),
+            event_type: self.event_type.clone(),
+            topic: self.topic.clone(),
+            key: self.key.clone(),
+            payload: self.payload.clone(),
+            headers: self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            attempt,
+        }
+    }
+
+    pub fn headers_json(&self) -> Value {
+        serde_json::to_value(&self.headers).unwrap_or(Value::Null)
+    }
+}
+
+/// Headers whose value is UTF-8, by name (the last one wins).
+pub fn utf8_headers(m: &impl Message) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    if let Some(headers) = m.headers() {
+        for h in headers.iter() {
+            if let Some(v) = h.value.and_then(|v| std::str::from_utf8(v).ok()) {
+                out.insert(h.key.to_string(), v.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The delay before attempt `attempt + 1`: doubling from `initial`, at most `max`.
+pub fn backoff(initial: std::time::Duration, max: std::time::Duration, attempt: u32) -> std::time::Duration {
+    initial
+        .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)))
+        .min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+
+    fn message(key: Option<&[u8]>, value: Option<&[u8]>, headers: &[(&str, &[u8])]) -> OwnedMessage {
+        let mut h = OwnedHeaders::new();
+        for (k, v) in headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(*v),
+            });
+        }
+        OwnedMessage::new(
+            value.map(<[u8]>::to_vec),
+            key.map(<[u8]>::to_vec),
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            Some(h),
+        )
+    }
+
+    const ID: &[u8] = b"5f0c7a51-0b5e-4a8e-9a0e-0d1f2c3b4a59";
+
+    #[test]
+    fn a_seed_style_event_parses() {
+        let m = message(
+            Some(b"k"),
+            Some(br#"{"a":1}"#),
+            &[("eventId", ID), ("eventType", b"OrderCreated")],
+        );
+        let e = Incoming::parse(&m, 1024, "").unwrap();
+        assert_eq!(e.event_type, "OrderCreated");
+        assert_eq!(e.key.as_deref(), Some("k"));
+        assert_eq!((e.partition, e.offset), (0, 7));
+    }
+
+    #[test]
+    fn each_bad_input_class_has_its_reason() {
+        let good: &[(&str, &[u8])] = &[("eventId", ID), ("eventType", b"X")];
+        let cases: Vec<(OwnedMessage, &str)> = vec![
+            (message(None, Some(b"{}"), &[("eventType", b"X")]), "no eventId header"),
+            (
+                message(None, Some(b"{}"), &[("eventId", b"42"), ("eventType", b"X")]),
+                "not a UUID",
+            ),
+            (message(None, Some(b"{}"), &[("eventId", ID)]), "no eventType header"),
+            (message(None, Some(b"not json"), good), "not JSON"),
+            (message(None, Some(b"\xff\xfe"), good), "not UTF-8"),
+            (message(Some(b"\xff\xfe"), Some(b"{}"), good), "key is not UTF-8"),
+            (message(None, Some(&[b' '; 2000]), good), "over the limit"),
+            (message(None, None, good), "no value"),
+        ];
+        for (m, needle) in cases {
+            let e = Incoming::parse(&m, 1024, "").unwrap_err();
+            assert!(e.0.contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(backoff(ms(100), ms(1000), 1), ms(100));
+        assert_eq!(backoff(ms(100), ms(1000), 3), ms(400));
+        assert_eq!(backoff(ms(100), ms(1000), 30), ms(1000));
+    }
+}
