@@ -14,13 +14,13 @@ use crate::api::{self, AppState};
 use crate::config::Config;
 use crate::db::{self, embedded::EmbeddedPostgres};
 use crate::dispatch::Dispatcher;
-use crate::inbox::consumer::Consumer;
 use crate::inbox::processor::Processor;
+use crate::inbox::supervisor::Supervisor;
 use crate::kafka::Brokers;
 use crate::outbox::relay::{self, Relay};
 use crate::retention;
 use crate::runtime::registry::Registry;
-use crate::runtime::Runtime;
+use crate::runtime::{watcher, Runtime};
 use crate::signal::Signal;
 
 /// A running host. Dropping it does not stop it; call [`Host::shutdown`].
@@ -58,7 +58,7 @@ pub async fn start(config: Config) -> Result<Host> {
     let pool = db::connect(&url, &config.database).await?;
     db::migrate(&pool).await?;
 
-    let runtime = Runtime::new(config.limits.clone())?;
+    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_dir().as_deref())?;
     let registry = Arc::new(Registry::new());
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 
@@ -66,6 +66,7 @@ pub async fn start(config: Config) -> Result<Host> {
     let signal = Signal::default();
     let (stop_tasks, tasks_stopped) = watch::channel(false);
     let mut tasks = Vec::new();
+    let relay_owns_all = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if config.relay.enabled {
         let relay = Relay {
             database_url: url.clone(),
@@ -74,13 +75,15 @@ pub async fn start(config: Config) -> Result<Host> {
             config: config.relay.clone(),
             signal: signal.subscribe(),
             shutdown: tasks_stopped.clone(),
+            owns_all: relay_owns_all.clone(),
         };
         tasks.push(tokio::spawn(relay.run()));
     }
     tasks.push(tokio::spawn(relay::run_notifier(
-        pool.clone(),
+        url.clone(),
         signal.subscribe(),
         tasks_stopped.clone(),
+        relay_owns_all,
     )));
     tasks.push(tokio::spawn(retention::run(
         pool.clone(),
@@ -89,30 +92,35 @@ pub async fn start(config: Config) -> Result<Host> {
     )));
     let dispatcher = Arc::new(Dispatcher::new(pool.clone(), runtime.clone(), registry.clone(), signal));
 
-    // Consumption: a consumer per plugin with subscriptions, and the inbox processors.
+    // Consumption: a consumer per plugin with subscriptions (following the plugins as they
+    // are loaded and unloaded), and the inbox processors. The watcher stops with them.
     let (stop_consumers, consumers_stopped) = watch::channel(false);
     let mut consumers = Vec::new();
+    if config.plugins.watch {
+        consumers.push(watcher::spawn(
+            config.plugins.dir.clone(),
+            config.plugins.debounce,
+            runtime.clone(),
+            pool.clone(),
+            registry.clone(),
+            consumers_stopped.clone(),
+        )?);
+    }
     if config.consumer.enabled {
         let inbox = Signal::default();
-        for plugin in registry.plugins() {
-            if plugin.manifest.subscriptions.is_empty() {
-                continue;
-            }
-            let consumer = Consumer {
-                plugin: plugin.manifest.name.clone(),
-                group: format!("{}.{}", config.service.name, plugin.manifest.name),
-                dispatcher: dispatcher.clone(),
-                registry: registry.clone(),
-                brokers: brokers.clone(),
-                kafka: config.kafka.clone(),
-                config: config.consumer.clone(),
-                inbox: inbox.clone(),
-                shutdown: consumers_stopped.clone(),
-            };
-            consumers.push(tokio::spawn(consumer.run()));
-        }
+        let supervisor = Supervisor {
+            service: config.service.name.clone(),
+            dispatcher: dispatcher.clone(),
+            registry: registry.clone(),
+            brokers: brokers.clone(),
+            kafka: config.kafka.clone(),
+            config: config.consumer.clone(),
+            inbox: inbox.clone(),
+        };
+        consumers.push(tokio::spawn(supervisor.run(consumers_stopped.clone())));
         for _ in 0..config.consumer.inbox_processors {
             let processor = Processor {
+                turn: Default::default(),
                 dispatcher: dispatcher.clone(),
                 registry: registry.clone(),
                 config: config.consumer.clone(),

@@ -270,7 +270,8 @@ async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::R
 async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
     let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-    let runtime = crate::runtime::Runtime::new(config.limits)?;
+    // Offline and side-effect free: no compile cache.
+    let runtime = crate::runtime::Runtime::new(config.limits, None)?;
     match crate::runtime::loader::load(&runtime, bytes).await {
         Ok(plugin) => {
             let m = &plugin.manifest;

@@ -131,15 +131,39 @@ impl Default for DatabaseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PluginsConfig {
-    /// The directory of plugin components (`*.wasm`) loaded at start.
+    /// The directory of plugin components (`*.wasm`), loaded at start.
     pub dir: PathBuf,
+    /// Watch the directory: load new files, reload replaced ones, unload deleted ones.
+    pub watch: bool,
+    /// How long a file must stay unchanged before it is loaded.
+    #[serde(with = "humantime_serde")]
+    pub debounce: Duration,
+    /// Keep compiled components in a cache the host owns, so restarts skip compilation.
+    pub cache: bool,
+    /// Where the compile cache lives; default `$XDG_CACHE_HOME/obx/components` or
+    /// `~/.cache/obx/components`. Never the plugin directory.
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl Default for PluginsConfig {
     fn default() -> Self {
         PluginsConfig {
             dir: PathBuf::from("plugins.d"),
+            watch: true,
+            debounce: Duration::from_millis(250),
+            cache: true,
+            cache_dir: None,
         }
+    }
+}
+
+impl PluginsConfig {
+    /// The compile cache directory, if caching is on.
+    pub fn cache_dir(&self) -> Option<PathBuf> {
+        if !self.cache {
+            return None;
+        }
+        self.cache_dir.clone().or_else(crate::runtime::cache::default_dir)
     }
 }
 
@@ -408,6 +432,17 @@ impl Config {
                 "limits.statement_timeout",
                 "must be greater than 0 (0 would disable it)",
             );
+        }
+        if let Some(cache) = self.plugins.cache_dir() {
+            let same = |a: &Path, b: &Path| {
+                a.canonicalize()
+                    .ok()
+                    .zip(b.canonicalize().ok())
+                    .is_some_and(|(a, b)| a == b)
+            };
+            if cache == self.plugins.dir || same(&cache, &self.plugins.dir) {
+                return invalid("plugins.cache_dir", "must not be the plugin directory");
+            }
         }
         if self.relay.batch_size == 0 {
             return invalid("relay.batch_size", "must be greater than 0");

@@ -49,7 +49,7 @@ enum Task {
 }
 
 /// The plugins `cargo xtask run` serves.
-const EXAMPLE_PLUGINS: &[&str] = &["orders"];
+const EXAMPLE_PLUGINS: &[&str] = &["orders", "inventory", "payments"];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -79,14 +79,19 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
-            let mut cmd = cargo();
-            cmd.current_dir(&root)
-                .args(["run", "--release", "--package", "obx-tests", "--bin", "obx-bench", "--"]);
-            if args.is_empty() {
-                cmd.arg("relay");
+            let suites: Vec<Vec<String>> = if args.is_empty() {
+                vec![vec!["relay".into()], vec!["consume".into()]]
+            } else {
+                vec![args]
+            };
+            for suite in suites {
+                let mut cmd = cargo();
+                cmd.current_dir(&root)
+                    .args(["run", "--release", "--package", "obx-tests", "--bin", "obx-bench", "--"]);
+                cmd.args(&suite).env("OBX_TEST_PLUGINS_DIR", &plugins);
+                run(&mut cmd)?;
             }
-            cmd.args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
-            run(&mut cmd)
+            Ok(())
         }
         Task::Run { release, args } => {
             ensure_postgres()?;
@@ -211,7 +216,9 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// Builds every guest plugin and returns the directory of the `.wasm` files.
+/// Builds every guest plugin and returns the directory of the `.wasm` files. The hot-reload
+/// tests also need other builds of the `hotswap` plugin; they land beside the rest as
+/// `hotswap_<variant>.wasm`.
 fn build_plugins(root: &Path) -> Result<PathBuf> {
     ensure_wasm_target()?;
     let plugins = root.join("plugins");
@@ -222,7 +229,28 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
         Some(dir) => plugins.join(dir),
         None => plugins.join("target"),
     };
-    Ok(target.join("wasm32-wasip2/release"))
+    let out = target.join("wasm32-wasip2/release");
+    for (feature, name) in [("v2", "hotswap_v2"), ("broken-migration", "hotswap_broken")] {
+        let variant_target = target.join("variants").join(feature);
+        run(cargo()
+            .current_dir(&plugins)
+            .args([
+                "build",
+                "--release",
+                "--target",
+                "wasm32-wasip2",
+                "--package",
+                "hotswap",
+            ])
+            .args(["--no-default-features", "--features", feature])
+            .arg("--target-dir")
+            .arg(&variant_target))?;
+        std::fs::copy(
+            variant_target.join("wasm32-wasip2/release/hotswap.wasm"),
+            out.join(format!("{name}.wasm")),
+        )?;
+    }
+    Ok(out)
 }
 
 fn ensure_wasm_target() -> Result<()> {

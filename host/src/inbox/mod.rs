@@ -21,6 +21,7 @@
 pub mod consumer;
 pub mod dlq;
 pub mod processor;
+pub mod supervisor;
 
 use std::collections::BTreeMap;
 

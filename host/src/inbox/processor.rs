@@ -25,6 +25,7 @@ use crate::runtime::bindings::guest;
 use crate::runtime::registry::Registry;
 
 pub struct Processor {
+    pub turn: std::sync::atomic::AtomicUsize,
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,
     pub config: ConsumerConfig,
@@ -70,7 +71,7 @@ impl Processor {
     }
 
     async fn step(&self) -> sqlx::Result<Outcome> {
-        let consumers: Vec<String> = self
+        let mut consumers: Vec<String> = self
             .registry
             .plugins()
             .iter()
@@ -79,23 +80,40 @@ impl Processor {
         if consumers.is_empty() {
             return Ok(Outcome::Idle);
         }
+        // Start from a different consumer each time, so that a busy one cannot starve the rest.
+        let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % consumers.len();
+        consumers.rotate_left(turn);
+        for consumer in consumers {
+            if let Outcome::Worked = self.step_for(&consumer).await? {
+                return Ok(Outcome::Worked);
+            }
+        }
+        Ok(Outcome::Idle)
+    }
+
+    async fn step_for(&self, consumer: &str) -> sqlx::Result<Outcome> {
         let pool = &self.dispatcher.pool;
-        let mut tx = pool.begin().await?;
+        // The walk must follow (consumer, seq) and stop at the first event that may run; with
+        // stale statistics after a burst the planner may prefer to sort the whole inbox.
+        let mut tx = pool
+            .begin_with(
+                "BEGIN; SELECT set_config('enable_sort', 'off', true), set_config('enable_bitmapscan', 'off', true)",
+            )
+            .await?;
         let row = sqlx::query(
             "SELECT e.consumer, e.event_id, e.topic, e.payload::text AS payload, e.event_type, e.partition_key, \
                     e.headers, e.attempts \
              FROM obx.inbox_event e \
-             WHERE NOT e.processed AND NOT e.parked AND e.consumer = ANY($1) \
+             WHERE e.consumer = $1 AND NOT e.processed AND NOT e.parked \
                AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now()) \
-               AND (e.partition_key IS NULL OR NOT EXISTS ( \
-                    SELECT 1 FROM obx.inbox_event p \
-                    WHERE p.consumer = e.consumer AND p.partition_key = e.partition_key \
-                      AND NOT p.processed AND p.seq < e.seq)) \
+               AND (e.partition_key IS NULL OR e.seq = ( \
+                    SELECT min(p.seq) FROM obx.inbox_event p \
+                    WHERE p.consumer = e.consumer AND p.partition_key = e.partition_key AND NOT p.processed)) \
              ORDER BY e.seq \
              LIMIT 1 \
              FOR UPDATE OF e SKIP LOCKED",
         )
-        .bind(&consumers)
+        .bind(consumer)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {

@@ -32,6 +32,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,7 +42,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use sqlx::postgres::{PgConnectOptions, PgListener};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
 use crate::config::{KafkaConfig, RelayConfig};
@@ -147,6 +148,8 @@ pub struct Relay {
     /// Bumped by every local commit that wrote outbox rows.
     pub signal: watch::Receiver<u64>,
     pub shutdown: watch::Receiver<bool>,
+    /// Set while this relay holds every shard: then no other relay needs waking.
+    pub owns_all: Arc<AtomicBool>,
 }
 
 /// What one step did, and so what the loop does next.
@@ -207,6 +210,7 @@ impl Relay {
                     // A broken connection loses its leases; start over with a new one.
                     state.conn = None;
                     state.shards.clear();
+                    self.owns_all.store(false, Ordering::Relaxed);
                     (next_backoff(&mut backoff, self.config.backoff_max), false)
                 }
             };
@@ -265,6 +269,8 @@ impl Relay {
         if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
             let busy: HashSet<i32> = st.inflight.values().map(|(shard, _)| *shard).collect();
             rebalance(conn, &mut st.shards, &busy).await?;
+            self.owns_all
+                .store(st.shards.len() == SHARDS as usize, Ordering::Relaxed);
             st.last_rebalance = Some(Instant::now());
             metrics::gauge!("obx_relay_shards").set(st.shards.len() as f64);
         }
@@ -292,7 +298,18 @@ impl Relay {
         let producer = st.producer.as_ref().expect("built above");
 
         let shards: Vec<i32> = st.shards.iter().copied().collect();
-        let mut tx = conn.begin().await?;
+        let started = Instant::now();
+        // The mark need not wait for the disk: if it is lost in a crash, the rows are sent
+        // again, which at-least-once allows. This keeps fsync out of the relay's cycle.
+        // The claim must walk the partial index in id order and stop at the batch size; with
+        // stale statistics (right after a burst) the planner may prefer to read and sort the
+        // whole backlog instead, so that plan shape is ruled out for this transaction.
+        let mut tx = conn
+            .begin_with(
+                "BEGIN; SELECT set_config('synchronous_commit', 'off', true), set_config('enable_sort', 'off', true), \
+                 set_config('enable_bitmapscan', 'off', true)",
+            )
+            .await?;
         let rows: Vec<OutboxRow> = sqlx::query_as(&format!(
             "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.published_at IS NULL \
@@ -312,6 +329,7 @@ impl Relay {
             tx.commit().await?;
             return Ok(Outcome::Idle);
         }
+        let claimed = started.elapsed();
 
         let topics: Vec<String> = rows
             .iter()
@@ -359,6 +377,7 @@ impl Relay {
         }
 
         // Collect the delivery reports.
+        let sent_at = started.elapsed();
         let deadline = tokio::time::Instant::now() + self.config.ack_timeout;
         let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
         let mut pending = 0usize;
@@ -371,7 +390,12 @@ impl Relay {
                 Ok(result) => {
                     st.inflight.remove(&row.id);
                     match result {
-                        Ok(Ok(_)) => acked.push(row),
+                        Ok(Ok(_)) => {
+                            // Commit-to-ack: from the row's insert, just before its commit.
+                            let latency = (Utc::now() - row.created_at).num_microseconds().unwrap_or(0).max(0);
+                            metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency as f64 / 1e6);
+                            acked.push(row)
+                        }
                         Ok(Err((e, _))) => {
                             let topic = format!("{}{}", self.kafka.topic_prefix, row.topic);
                             if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition)
@@ -388,17 +412,17 @@ impl Relay {
             }
         }
 
+        let acked_at = started.elapsed();
         // Mark what the broker acknowledged; record what it refused.
         let acked_ids: Vec<i64> = acked.iter().map(|r| r.id).collect();
         if !acked_ids.is_empty() {
-            sqlx::query("UPDATE obx.outbox_event SET published_at = now() WHERE id = ANY($1)")
-                .bind(&acked_ids)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("DELETE FROM obx.outbox_delivery_failure WHERE outbox_id = ANY($1)")
-                .bind(&acked_ids)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query(
+                "WITH marked AS (UPDATE obx.outbox_event SET published_at = now() WHERE id = ANY($1) RETURNING id) \
+                 DELETE FROM obx.outbox_delivery_failure WHERE outbox_id IN (SELECT id FROM marked)",
+            )
+            .bind(&acked_ids)
+            .execute(&mut *tx)
+            .await?;
         }
         if !refused.is_empty() {
             for (row, error) in &refused {
@@ -429,11 +453,7 @@ impl Relay {
             st.topics.remove(topic);
         }
 
-        let now = Utc::now();
-        for row in &acked {
-            let latency = (now - row.created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
-            metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency);
-        }
+        tracing::debug!(rows = rows.len(), acked = acked.len(), ?claimed, ?sent_at, ?acked_at, took = ?started.elapsed(), "relay step");
         metrics::counter!("obx_outbox_published_total").increment(acked.len() as u64);
         metrics::counter!("obx_relay_errors_total", "kind" => "refused").increment(refused.len() as u64);
         metrics::gauge!("obx_relay_inflight").set(st.inflight.len() as f64);
@@ -548,22 +568,48 @@ async fn record_backlog(conn: &mut PgConnection) -> Result<()> {
 }
 
 /// Announces this host's outbox commits to the relays of other hosts, with `NOTIFY` sent
-/// outside the command transactions (a NOTIFY inside them would serialise their commits),
-/// at most once per `coalesce`.
-pub async fn run_notifier(pool: PgPool, mut signal: watch::Receiver<u64>, mut shutdown: watch::Receiver<bool>) {
+/// outside the command transactions (a NOTIFY inside them would serialise their commits), at
+/// most once per 2 ms, on a connection of its own that does not wait for the disk (a lost
+/// notification only means a relay waits for its poll). Nothing is sent while this host's
+/// relay holds every shard.
+pub async fn run_notifier(
+    database_url: String,
+    mut signal: watch::Receiver<u64>,
+    mut shutdown: watch::Receiver<bool>,
+    local_relay_owns_all: Arc<AtomicBool>,
+) {
     const COALESCE: Duration = Duration::from_millis(2);
+    let mut conn: Option<PgConnection> = None;
     loop {
         tokio::select! {
             changed = signal.changed() => if changed.is_err() { break },
             _ = shutdown.changed() => break,
         }
-        if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
-            .bind(NOTIFY_CHANNEL)
-            .execute(&pool)
-            .await
-        {
-            tracing::debug!(error = %e, "could not notify other relays");
+        if local_relay_owns_all.load(Ordering::Relaxed) {
+            // No other relay holds a shard: nobody to wake.
+            continue;
+        }
+        if conn.is_none() {
+            conn = notifier_connection(&database_url).await;
+        }
+        if let Some(c) = conn.as_mut() {
+            if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
+                .bind(NOTIFY_CHANNEL)
+                .execute(&mut *c)
+                .await
+            {
+                tracing::debug!(error = %e, "could not notify other relays");
+                conn = None;
+            }
         }
         tokio::time::sleep(COALESCE).await;
     }
+}
+
+async fn notifier_connection(database_url: &str) -> Option<PgConnection> {
+    let options = PgConnectOptions::from_str(database_url)
+        .ok()?
+        .application_name("obx-notifier")
+        .options([("synchronous_commit", "off")]);
+    PgConnection::connect_with(&options).await.ok()
 }

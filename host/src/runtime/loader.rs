@@ -52,8 +52,22 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
     check_header(&bytes)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
 
-    let engine = runtime.engine().clone();
-    let compile = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes));
+    let compile = {
+        let runtime = runtime.clone();
+        let sha256 = sha256.clone();
+        tokio::task::spawn_blocking(move || {
+            let cache = runtime.cache.as_ref();
+            if let Some(component) = cache.and_then(|c| c.load(&runtime.engine, &sha256)) {
+                metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
+                return Ok::<_, wasmtime::Error>(component);
+            }
+            let component = Component::new(&runtime.engine, &bytes)?;
+            if let Some(cache) = cache {
+                cache.store(&sha256, &component);
+            }
+            Ok(component)
+        })
+    };
     let component = match tokio::time::timeout(limits.compile_timeout, compile).await {
         Err(_) => return Err(LoadError::CompileTimeout(limits.compile_timeout)),
         Ok(Err(join)) => return Err(LoadError::Compile(format!("the compiler crashed: {join}"))),

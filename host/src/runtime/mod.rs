@@ -13,11 +13,13 @@
 //!   through the `sql` import, under the plugin's role.
 
 pub mod bindings;
+pub mod cache;
 mod host;
 pub mod loader;
 pub mod manifest;
 pub mod registry;
 mod state;
+pub mod watcher;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -44,6 +46,7 @@ pub struct Runtime {
     linker: Linker<CallState>,
     limits: Arc<Limits>,
     slots: Semaphore,
+    cache: Option<cache::CompileCache>,
 }
 
 /// A compiled, validated plugin version, ready to be instantiated.
@@ -132,7 +135,8 @@ pub struct CallOutput<T> {
 }
 
 impl Runtime {
-    pub fn new(limits: Limits) -> Result<Arc<Runtime>> {
+    /// A runtime with these limits, and a compile cache in `cache_dir` if given.
+    pub fn new(limits: Limits, cache_dir: Option<&std::path::Path>) -> Result<Arc<Runtime>> {
         let slots = limits.max_concurrent_calls;
         // Headroom above the call slots for manifest reads during loads.
         let instances = slots + 32;
@@ -163,11 +167,22 @@ impl Runtime {
             .context("linking the obx imports")?;
 
         start_epoch_ticker(&engine);
+        let cache = match cache_dir {
+            Some(dir) => match cache::CompileCache::open(dir, &engine) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "compile cache disabled");
+                    None
+                }
+            },
+            None => None,
+        };
         Ok(Arc::new(Runtime {
             engine,
             linker,
             limits: Arc::new(limits),
             slots: Semaphore::new(slots as usize),
+            cache,
         }))
     }
 

@@ -11,17 +11,21 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use sha2::Digest;
 use sqlx::PgPool;
 
 use super::manifest::Subscription;
 use super::{loader, Plugin, Runtime};
 use crate::db::plugin_schema;
+use crate::signal::Signal;
 
 #[derive(Default)]
 pub struct Registry {
     active: ArcSwap<HashMap<String, Arc<Plugin>>>,
     /// What happened to each file, by path.
     files: Mutex<HashMap<PathBuf, FileState>>,
+    /// Notified whenever the set of active plugins changes (consumers follow it).
+    changed: Signal,
 }
 
 #[derive(Clone)]
@@ -63,10 +67,33 @@ impl Registry {
         self.active.load().values().cloned().collect()
     }
 
+    /// A wake-up for every change of the active plugins.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Forgets a file that is gone, and unloads the plugin it provided. Calls in flight keep
+    /// the version they started with.
+    pub fn unload_file(&self, path: &Path) -> Option<String> {
+        let removed = self.files.lock().unwrap_or_else(|e| e.into_inner()).remove(path)?;
+        let name = removed.plugin?;
+        self.active.rcu(|active| {
+            let mut next = HashMap::clone(active);
+            next.remove(&name);
+            next
+        });
+        tracing::info!(file = %path.display(), plugin = %name, "plugin unloaded");
+        metrics::counter!("obx_plugin_unloads_total", "plugin" => name.clone()).increment(1);
+        self.changed.notify();
+        Some(name)
+    }
+
     /// Loads one component file: compile, validate, migrate, activate. On failure the
     /// previous version (if any) keeps serving and the error is recorded for the file.
     pub async fn load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
+        let started = std::time::Instant::now();
         let result = self.try_load_file(runtime, pool, path).await;
+        metrics::histogram!("obx_plugin_load_seconds").record(started.elapsed().as_secs_f64());
         match &result {
             Ok(plugin) => tracing::info!(
                 file = %path.display(), plugin = %plugin.manifest.name, version = %plugin.manifest.version,
@@ -92,9 +119,19 @@ impl Registry {
         let bytes = tokio::fs::read(path)
             .await
             .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        // The same bytes as the version this file already serves: nothing to do.
+        if let Some(current) = self.active_from(path) {
+            if current.sha256 == hex::encode(sha2::Sha256::digest(&bytes)) {
+                return Ok(current);
+            }
+        }
         let plugin = loader::load(runtime, bytes).await.map_err(|e| e.to_string())?;
         let name = plugin.manifest.name.clone();
-        if let Some(other) = self.file_providing(&name).filter(|other| other != path) {
+        // Another file provides this plugin: refuse, unless that file is gone (a rename).
+        if let Some(other) = self
+            .file_providing(&name)
+            .filter(|other| other != path && other.exists())
+        {
             return Err(format!("plugin {name:?} is already provided by {}", other.display()));
         }
         plugin_schema::prepare(pool, &plugin.manifest)
@@ -103,6 +140,13 @@ impl Registry {
         let plugin = Arc::new(plugin);
         self.activate(path, plugin.clone());
         Ok(plugin)
+    }
+
+    /// The active plugin this file provides, if any.
+    fn active_from(&self, path: &Path) -> Option<Arc<Plugin>> {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let name = files.get(path)?.plugin.clone()?;
+        self.get(&name)
     }
 
     fn file_providing(&self, name: &str) -> Option<PathBuf> {
@@ -116,6 +160,8 @@ impl Registry {
     fn activate(&self, path: &Path, plugin: Arc<Plugin>) {
         let name = plugin.manifest.name.clone();
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        // A file renamed away still names this plugin: it no longer does.
+        files.retain(|p, s| p == path || s.plugin.as_deref() != Some(name.as_str()));
         let previous = files.insert(
             path.to_path_buf(),
             FileState {
@@ -138,6 +184,7 @@ impl Registry {
             next
         });
         metrics::counter!("obx_plugin_loads_total", "plugin" => name).increment(1);
+        self.changed.notify();
     }
 
     /// Every plugin file and its state.

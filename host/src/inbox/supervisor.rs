@@ -1,0 +1,103 @@
+//! Keeps one consumer running per active plugin with subscriptions, and makes consumers
+//! follow the plugins: a plugin loaded starts one, a plugin unloaded stops its own, a new
+//! version with other subscriptions restarts it. A version with the same subscriptions keeps
+//! the running consumer, which takes each event to whatever version is active then.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::consumer::Consumer;
+use crate::config::{ConsumerConfig, KafkaConfig};
+use crate::dispatch::Dispatcher;
+use crate::kafka::Brokers;
+use crate::runtime::manifest::Subscription;
+use crate::runtime::registry::Registry;
+use crate::signal::Signal;
+
+pub struct Supervisor {
+    pub service: String,
+    pub dispatcher: Arc<Dispatcher>,
+    pub registry: Arc<Registry>,
+    pub brokers: Arc<Brokers>,
+    pub kafka: KafkaConfig,
+    pub config: ConsumerConfig,
+    pub inbox: Signal,
+}
+
+struct Running {
+    subscriptions: Vec<Subscription>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Supervisor {
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let mut running: HashMap<String, Running> = HashMap::new();
+        let mut changes = self.registry.changes();
+        loop {
+            self.sync(&mut running).await;
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { break },
+                _ = shutdown.changed() => break,
+            }
+        }
+        for (_, consumer) in running.drain() {
+            stop(consumer).await;
+        }
+    }
+
+    async fn sync(&self, running: &mut HashMap<String, Running>) {
+        let wanted: HashMap<String, Vec<Subscription>> = self
+            .registry
+            .plugins()
+            .into_iter()
+            .filter(|p| !p.manifest.subscriptions.is_empty())
+            .map(|p| (p.manifest.name.clone(), p.manifest.subscriptions.clone()))
+            .collect();
+        let outdated: Vec<String> = running
+            .iter()
+            .filter(|(name, r)| wanted.get(*name) != Some(&r.subscriptions))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in outdated {
+            if let Some(consumer) = running.remove(&name) {
+                tracing::info!(plugin = %name, "stopping the consumer: the plugin's subscriptions changed or it was unloaded");
+                stop(consumer).await;
+            }
+        }
+        for (name, subscriptions) in wanted {
+            if running.contains_key(&name) {
+                continue;
+            }
+            let (stop, stopped) = watch::channel(false);
+            let consumer = Consumer {
+                plugin: name.clone(),
+                group: format!("{}.{}", self.service, name),
+                dispatcher: self.dispatcher.clone(),
+                registry: self.registry.clone(),
+                brokers: self.brokers.clone(),
+                kafka: self.kafka.clone(),
+                config: self.config.clone(),
+                inbox: self.inbox.clone(),
+                shutdown: stopped,
+            };
+            running.insert(
+                name,
+                Running {
+                    subscriptions,
+                    stop,
+                    task: tokio::spawn(consumer.run()),
+                },
+            );
+        }
+    }
+}
+
+/// Stops a consumer: it finishes the event in hand and commits its offsets.
+async fn stop(consumer: Running) {
+    let _ = consumer.stop.send(true);
+    let _ = consumer.task.await;
+}

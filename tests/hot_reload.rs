@@ -1,0 +1,260 @@
+//! Hot loading from the watched plugin directory: drop, replace and delete with no restart;
+//! invalid and half-written files; a replace under load; a failing migration; consumers that
+//! follow the new manifest.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use obx_tests::{eventually, plugin, producer, send_event, spawn_host_with, TestHost};
+use serde_json::{json, Value};
+
+/// Deploys a component the recommended way: write to a temporary name, then rename.
+fn deploy(host: &TestHost, component: &str, as_name: &str) {
+    let dir = host.plugin_dir.path();
+    let tmp = dir.join(format!(".{as_name}.tmp"));
+    std::fs::copy(plugin(component), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join(as_name)).unwrap();
+}
+
+async fn watched_host() -> TestHost {
+    spawn_host_with(&[], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+    })
+    .await
+}
+
+async fn version(host: &TestHost) -> Option<String> {
+    let a = host.command("hotswap", "version", json!({})).await;
+    a.body["version"].as_str().map(String::from)
+}
+
+async fn status(host: &TestHost, file: &str) -> Value {
+    let list = host.get("/v1/plugins").await.body;
+    list["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["file"].as_str().is_some_and(|f| f.ends_with(file)))
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+async fn serving(host: &TestHost, expected: &str) {
+    eventually(
+        Duration::from_secs(20),
+        &format!("version {expected} serving"),
+        || async { version(host).await.as_deref() == Some(expected) },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn drop_replace_and_delete_without_a_restart() {
+    let host = watched_host().await;
+    assert_eq!(
+        host.command("hotswap", "version", json!({})).await.code(),
+        "unknown_plugin"
+    );
+
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    let s = status(&host, "hotswap.wasm").await;
+    assert_eq!(
+        (s["state"].as_str(), s["version"].as_str()),
+        (Some("active"), Some("1.0.0"))
+    );
+    assert_eq!(s["sha256"].as_str().unwrap().len(), 64);
+    assert!(s["loaded_at"].is_string());
+    assert_eq!(s["commands"], json!(["version", "work"]));
+
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    serving(&host, "2.0.0").await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'hotswap'")
+            .await,
+        2
+    );
+
+    std::fs::remove_file(host.plugin_dir.path().join("hotswap.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "unloaded", || async {
+        host.command("hotswap", "version", json!({})).await.code() == "unknown_plugin"
+    })
+    .await;
+    assert!(status(&host, "hotswap.wasm").await.is_null());
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_invalid_file_is_reported_and_changes_nothing() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    std::fs::write(host.plugin_dir.path().join("garbage.wasm"), b"definitely not wasm").unwrap();
+    std::fs::write(host.plugin_dir.path().join("core.wasm"), b"\0asm\x01\0\0\0").unwrap();
+    eventually(Duration::from_secs(20), "both failures listed", || async {
+        status(&host, "garbage.wasm").await["state"] == "failed"
+            && status(&host, "core.wasm").await["state"] == "failed"
+    })
+    .await;
+    let garbage = status(&host, "garbage.wasm").await;
+    assert!(
+        garbage["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("not a WebAssembly file"),
+        "{garbage}"
+    );
+    assert!(status(&host, "core.wasm").await["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("core WebAssembly module"));
+    // An editor's temporary file is not even looked at.
+    std::fs::write(host.plugin_dir.path().join(".hotswap.wasm.swp"), b"junk").unwrap();
+    std::fs::write(host.plugin_dir.path().join("notes.txt"), b"junk").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(status(&host, ".hotswap.wasm.swp").await.is_null());
+    assert!(status(&host, "notes.txt").await.is_null());
+    assert_eq!(version(&host).await.as_deref(), Some("1.0.0"));
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_half_written_file_never_loads_and_the_old_version_keeps_serving() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+
+    // Written in place, in two halves with a pause longer than the debounce: the first half
+    // is seen, and refused; the old version keeps serving; the whole file then loads.
+    let v2 = std::fs::read(plugin("hotswap_v2")).unwrap();
+    let target = host.plugin_dir.path().join("hotswap.wasm");
+    std::fs::write(&target, &v2[..v2.len() / 2]).unwrap();
+    eventually(Duration::from_secs(20), "the half file refused", || async {
+        status(&host, "hotswap.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("failed to compile"))
+    })
+    .await;
+    assert_eq!(version(&host).await.as_deref(), Some("1.0.0"), "the old version serves");
+    assert_eq!(status(&host, "hotswap.wasm").await["state"], "active");
+    std::fs::write(&target, &v2).unwrap();
+    serving(&host, "2.0.0").await;
+    assert!(status(&host, "hotswap.wasm").await["last_error"].is_null());
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_replace_under_200_concurrent_commands_fails_none() {
+    let host = Arc::new(watched_host().await);
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+
+    let mut calls = Vec::new();
+    for i in 0..200 {
+        let host = host.clone();
+        calls.push(tokio::spawn(async move {
+            // Spread over ~2 s so that the replace lands in the middle.
+            tokio::time::sleep(Duration::from_millis(i * 10)).await;
+            host.command("hotswap", "work", json!({ "ms": 30 })).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    let mut versions = std::collections::BTreeMap::new();
+    for call in calls {
+        let a = call.await.unwrap();
+        assert_eq!(a.status, 200, "a command failed during the replace: {}", a.text);
+        *versions
+            .entry(a.body["version"].as_str().unwrap().to_string())
+            .or_insert(0) += 1;
+    }
+    assert_eq!(versions.values().sum::<i32>(), 200);
+    assert!(
+        versions.contains_key("1.0.0") && versions.contains_key("2.0.0"),
+        "both versions served: {versions:?}"
+    );
+    assert_eq!(host.count("SELECT count(*) FROM hotswap.calls").await, 200);
+}
+
+#[tokio::test]
+async fn a_plugin_whose_migration_fails_leaves_the_old_version_serving() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    deploy(&host, "hotswap_broken", "hotswap.wasm");
+    eventually(Duration::from_secs(20), "the failed migration reported", || async {
+        status(&host, "hotswap.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("migration 2 (broken) failed"))
+    })
+    .await;
+    let s = status(&host, "hotswap.wasm").await;
+    assert_eq!(
+        (s["state"].as_str(), s["version"].as_str()),
+        (Some("active"), Some("1.0.0")),
+        "{s}"
+    );
+    assert_eq!(version(&host).await.as_deref(), Some("1.0.0"));
+    let a = host.command("hotswap", "work", json!({ "ms": 1 })).await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    // Nothing of the failed migration stayed.
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'hotswap'")
+            .await,
+        1
+    );
+    let metrics = host.get("/metrics").await.text;
+    assert!(
+        metrics.contains("obx_plugin_load_failures_total"),
+        "failures are counted"
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn consumers_follow_the_new_manifest() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    // Version 2 subscribes to hotswap.events: a consumer starts for it.
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    serving(&host, "2.0.0").await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let id = send_event(&p, &host.topic("hotswap.events"), "k", "Ping", &json!({})).await;
+    eventually(Duration::from_secs(30), "the event handled by version 2", || async {
+        host.count(&format!("SELECT count(*) FROM hotswap.events WHERE event_id = '{id}'"))
+            .await
+            == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_restart_loads_from_the_compile_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let with_cache = |c: &mut obx::config::Config| c.plugins.cache_dir = Some(cache.path().to_path_buf());
+    let first = spawn_host_with(&["hotswap"], with_cache).await;
+    assert_eq!(version(&first).await.as_deref(), Some("1.0.0"));
+    let entries = std::fs::read_dir(cache.path()).unwrap().count();
+    assert_eq!(entries, 1, "one compiled component cached");
+    let url = first.database_url.clone();
+    first.shutdown().await;
+    let before = cache_hits();
+    let second = obx_tests::spawn_host_on(&url, &["hotswap"], with_cache).await;
+    assert_eq!(version(&second).await.as_deref(), Some("1.0.0"));
+    assert!(cache_hits() > before, "the restart used the cache");
+    // The cache is the host's own: never the plugin directory.
+    assert!(!Path::new(&second.plugin_dir.path()).join("hotswap.cwasm").exists());
+    second.shutdown().await;
+}
+
+fn cache_hits() -> u64 {
+    let rendered = obx::telemetry::metrics().render();
+    rendered
+        .lines()
+        .find_map(|l| l.strip_prefix("obx_plugin_compile_cache_hits_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
