@@ -71,7 +71,7 @@ CREATE TABLE obx.inbox_event (
 );
 CREATE INDEX ix_inbox_event_unprocessed ON obx.inbox_event(received_at) WHERE NOT processed;
 CREATE INDEX ix_inbox_event_queue ON obx.inbox_event(consumer, seq) WHERE NOT processed;
-CREATE INDEX ix_inbox_event_key ON obx.inbox_event(consumer, partition_key, seq) WHERE NOT processed;
+CREATE INDEX ix_inbox_event_key ON obx.inbox_event(consumer, topic, partition_key, seq) WHERE NOT processed;
 CREATE INDEX ix_inbox_event_processed_at ON obx.inbox_event USING brin (processed_at);
 
 -- Events whose handler kept failing. The event stays in inbox_event, parked, and so do the

@@ -77,7 +77,7 @@ impl Default for ConsumerConfig {
             backoff_max: Duration::from_secs(5),
             max_message_bytes: 1024 * 1024,
             lanes: 8,
-            inbox_processors: 2,
+            inbox_processors: 4,
             inbox_poll_interval: Duration::from_millis(500),
             auto_commit_interval_ms: 1000,
         }
@@ -225,6 +225,10 @@ pub struct RelayConfig {
     pub backoff_max: Duration,
     /// librdkafka `linger.ms`: how long the producer waits to fill a batch.
     pub linger_ms: u32,
+    /// The shortest time between two claims: under a steady stream of commits, events gather
+    /// for up to this long and go out together.
+    #[serde(with = "humantime_serde")]
+    pub min_step_interval: Duration,
 }
 
 impl Default for RelayConfig {
@@ -237,6 +241,7 @@ impl Default for RelayConfig {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(30),
             linger_ms: 1,
+            min_step_interval: Duration::from_millis(5),
         }
     }
 }

@@ -317,7 +317,9 @@ impl Dispatcher {
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
-        leave_plugin(&mut tx).await.map_err(db_error)?;
+        if !events.is_empty() || answer.is_some() {
+            leave_plugin(&mut tx).await.map_err(db_error)?;
+        }
         outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, events)
             .await
             .map_err(db_error)?;
@@ -337,19 +339,22 @@ impl Dispatcher {
 }
 
 /// Why an event handler did not take effect.
-#[derive(Debug)]
 pub struct EventFailure {
     /// For logs, `last_error` and the dead-letter table (the operator's eyes only).
     pub error: String,
     /// Whether another attempt can help: not for invalid input or a business rejection.
     pub retriable: bool,
+    /// The event's transaction, still open (possibly aborted), when it survived the call:
+    /// the caller rolls it back, whole or to a savepoint of its own.
+    pub tx: Option<Transaction<'static, Postgres>>,
 }
 
 impl Dispatcher {
-    /// Runs `handle-event` in `tx`. On success the handler's writes and its outbox rows are
-    /// in `tx`, back under the host's role: the caller adds its own bookkeeping (the dedup
-    /// row, the inbox mark) and commits with [`Dispatcher::commit_event`]. On failure `tx`
-    /// has been rolled back.
+    /// Runs `handle-event` in `tx`. The caller writes its own bookkeeping (the dedup row,
+    /// the inbox mark) first, as the host; on success the handler's writes and its outbox
+    /// rows are in `tx`, and the caller commits with [`Dispatcher::commit_event`] — nothing
+    /// else may run in `tx` after this call. On failure the transaction comes back in the
+    /// [`EventFailure`], for the caller to roll back.
     pub async fn run_event(
         &self,
         plugin: &Plugin,
@@ -357,35 +362,55 @@ impl Dispatcher {
         event: guest::Event,
     ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
         let started = Instant::now();
-        let failure = |error: String, retriable: bool| EventFailure { error, retriable };
         if let Err(e) = enter_plugin(&mut tx, plugin, self.runtime.limits()).await {
-            return Err(failure(format!("database: {e}"), true));
+            return Err(EventFailure {
+                error: format!("database: {e}"),
+                retriable: true,
+                tx: Some(tx),
+            });
         }
+        let entered = started.elapsed();
         let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
+        let handled = started.elapsed();
         let outcome = match (result, tx) {
             (Ok(()), Some(mut tx)) => {
+                // With no events to write, nothing more runs as the host before the commit,
+                // which ends the plugin's role anyway.
                 let written = async {
+                    if events.is_empty() {
+                        return Ok(());
+                    }
                     leave_plugin(&mut tx).await?;
                     outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, &events).await
                 }
                 .await;
                 match written {
                     Ok(()) => Ok((tx, events.len())),
-                    Err(e) => Err(failure(format!("database: {e}"), true)),
+                    Err(e) => Err(EventFailure {
+                        error: format!("database: {e}"),
+                        retriable: true,
+                        tx: Some(tx),
+                    }),
                 }
             }
-            (Ok(()), None) => Err(failure("the call lost its transaction".into(), true)),
+            (Ok(()), None) => Err(EventFailure {
+                error: "the call lost its transaction".into(),
+                retriable: true,
+                tx: None,
+            }),
             (Err(e), tx) => {
-                if let Some(tx) = tx {
-                    let _ = tx.rollback().await;
-                }
                 let retriable = !matches!(
                     e,
                     CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
                 );
-                Err(failure(describe_call_error(&e), retriable))
+                Err(EventFailure {
+                    error: describe_call_error(&e),
+                    retriable,
+                    tx,
+                })
             }
         };
+        tracing::trace!(?entered, ?handled, took = ?started.elapsed(), "event handler");
         let label = if outcome.is_ok() { "ok" } else { "failed" };
         metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
             .increment(1);

@@ -289,36 +289,13 @@ async fn consume(events: u32) -> Result<()> {
             mock.create_topic(t, 8)?;
         }
     }
-    // The same messages in both topics: seed-style events, 100 keys.
+    // Seed-style events, 100 keys. The inbox topic is filled later, once the dedup run is
+    // over, so that the two modes are measured one at a time.
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &env.broker.bootstrap)
         .set("linger.ms", "5")
         .create()?;
-    for topic in topics {
-        let mut deliveries = Vec::new();
-        for i in 0..events {
-            let id = uuid::Uuid::new_v4().to_string();
-            let key = format!("key-{}", i % 100);
-            let value = json!({ "seq": i }).to_string();
-            let headers = rdkafka::message::OwnedHeaders::new()
-                .insert(rdkafka::message::Header {
-                    key: "eventId",
-                    value: Some(id.as_str()),
-                })
-                .insert(rdkafka::message::Header {
-                    key: "eventType",
-                    value: Some("Thing"),
-                });
-            let record = rdkafka::producer::FutureRecord::to(topic)
-                .key(&key)
-                .payload(&value)
-                .headers(headers);
-            deliveries.push(producer.send_result(record).map_err(|(e, _)| e)?);
-        }
-        for d in deliveries {
-            d.await?.map_err(|(e, _)| e)?;
-        }
-    }
+    produce_events(&producer, "testbed.events", events).await?;
 
     // Raw consume: the ceiling.
     let consumer: StreamConsumer = ClientConfig::new()
@@ -348,28 +325,20 @@ async fn consume(events: u32) -> Result<()> {
     let host = obx::app::start(config).await?;
     let pool = PgPool::connect(&url).await?;
     let mut rates = Vec::new();
-    for (mode, sql) in [
-        (
-            "dedup",
-            "SELECT count(*) FROM testbed.effects WHERE topic = 'testbed.events'",
-        ),
-        (
-            "inbox",
-            "SELECT count(*) FROM testbed.effects WHERE topic = 'testbed.inbox'",
-        ),
-    ] {
+    for (mode, topic) in [("dedup", "testbed.events"), ("inbox", "testbed.inbox")] {
+        if mode == "inbox" {
+            produce_events(&producer, topic, events).await?;
+        }
         loop {
-            let n: i64 = sqlx::query_scalar(sql).fetch_one(&pool).await?;
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM testbed.effects WHERE topic = $1")
+                .bind(topic)
+                .fetch_one(&pool)
+                .await?;
             if n >= events as i64 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let topic = if mode == "dedup" {
-            "testbed.events"
-        } else {
-            "testbed.inbox"
-        };
         let span: f64 = sqlx::query_scalar(
             "SELECT extract(epoch FROM max(at) - min(at))::float8 FROM testbed.effects WHERE topic = $1",
         )
@@ -440,6 +409,34 @@ async fn wait_published(pool: &PgPool) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Sends `count` seed-style events (eventId and eventType headers, JSON value, 100 keys).
+async fn produce_events(producer: &FutureProducer, topic: &str, count: u32) -> Result<()> {
+    let mut deliveries = Vec::new();
+    for i in 0..count {
+        let id = uuid::Uuid::new_v4().to_string();
+        let key = format!("key-{}", i % 100);
+        let value = json!({ "seq": i }).to_string();
+        let headers = rdkafka::message::OwnedHeaders::new()
+            .insert(rdkafka::message::Header {
+                key: "eventId",
+                value: Some(id.as_str()),
+            })
+            .insert(rdkafka::message::Header {
+                key: "eventType",
+                value: Some("Thing"),
+            });
+        let record = rdkafka::producer::FutureRecord::to(topic)
+            .key(&key)
+            .payload(&value)
+            .headers(headers);
+        deliveries.push(producer.send_result(record).map_err(|(e, _)| e)?);
+    }
+    for d in deliveries {
+        d.await?.map_err(|(e, _)| e)?;
+    }
+    Ok(())
 }
 
 /// Sends the rows as the relay would, to `topic`, and waits for every acknowledgement.

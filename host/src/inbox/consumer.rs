@@ -13,7 +13,10 @@ use std::time::Duration;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+
+/// Message bytes (KiB) a consumer holds in its lanes at most.
+const IN_FLIGHT_KIB: usize = 64 * 1024;
 
 use super::{backoff, Incoming};
 use crate::config::{ConsumerConfig, KafkaConfig};
@@ -86,10 +89,13 @@ impl Consumer {
         }
         tracing::info!(plugin = %self.plugin, group = %self.group, ?topics, "consuming");
 
+        // Lanes take their messages from unbounded queues, so that a busy partition never
+        // holds up the others; what bounds memory is a budget of bytes in flight.
+        let budget = Arc::new(Semaphore::new(IN_FLIGHT_KIB));
         let mut lanes = Vec::new();
         let mut senders = Vec::new();
         for _ in 0..self.config.lanes.max(1) {
-            let (tx, rx) = mpsc::channel::<OwnedMessage>(64);
+            let (tx, rx) = mpsc::unbounded_channel::<(OwnedMessage, OwnedSemaphorePermit)>();
             let lane = Lane {
                 plugin: self.plugin.clone(),
                 topic_prefix: self.kafka.topic_prefix.clone(),
@@ -109,8 +115,13 @@ impl Consumer {
             };
             match message {
                 Ok(m) => {
+                    let kib = (m.payload_len() / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
+                    let permit = tokio::select! {
+                        p = budget.clone().acquire_many_owned(kib) => p.expect("never closed"),
+                        _ = self.shutdown.changed() => break,
+                    };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
-                    if senders[lane].send(m.detach()).await.is_err() {
+                    if senders[lane].send((m.detach(), permit)).is_err() {
                         break;
                     }
                 }
@@ -159,8 +170,16 @@ impl Consumer {
 }
 
 impl Lane {
-    async fn run(self, mut rx: mpsc::Receiver<OwnedMessage>, consumer: Arc<StreamConsumer>) {
-        while let Some(m) = rx.recv().await {
+    async fn run(
+        self,
+        mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
+        consumer: Arc<StreamConsumer>,
+    ) {
+        while let Some((m, _permit)) = rx.recv().await {
+            if *self.shutdown.borrow() {
+                // What is still queued is delivered again to whoever takes the partition.
+                return;
+            }
             match self.handle(&m).await {
                 Done::Settled => {
                     // After a rebalance the partition may belong to another host; its
@@ -208,6 +227,7 @@ impl Lane {
     /// Dedup mode: one transaction inserts the `processed_event` row, runs the handler and
     /// commits both. A second delivery finds the row and does nothing.
     async fn handle_dedup(&self, event: &Incoming) -> Done {
+        let started = std::time::Instant::now();
         let mut attempt = 1;
         loop {
             let Some(plugin) = self.registry.get(&self.plugin) else {
@@ -215,26 +235,34 @@ impl Lane {
             };
             let step = async {
                 let mut tx = self.pool().begin().await?;
-                if let Some(key) = &event.key {
-                    if key_is_parked(&mut tx, &self.plugin, key).await? {
-                        // Wait behind the parked event of this key, in the inbox.
-                        store_in_inbox(&mut tx, &self.plugin, event).await?;
-                        tx.commit().await?;
-                        self.inbox.notify();
-                        metrics::counter!("obx_consumer_parked_behind_total", "plugin" => self.plugin.clone())
-                            .increment(1);
-                        return Ok::<_, sqlx::Error>(Step::Done);
-                    }
-                }
-                let fresh = sqlx::query(
-                    "INSERT INTO obx.processed_event (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                // One statement: is the key parked behind a dead letter, and if not, is this
+                // event new? (It records the event as processed, in this transaction.)
+                let (parked, fresh): (bool, bool) = sqlx::query_as(
+                    "WITH parked AS ( \
+                         SELECT $3::text IS NOT NULL AND EXISTS ( \
+                             SELECT 1 FROM obx.inbox_event \
+                             WHERE consumer = $1 AND topic = $4 AND partition_key = $3 AND NOT processed) AS p), \
+                     fresh AS ( \
+                         INSERT INTO obx.processed_event (consumer, event_id) \
+                         SELECT $1, $2 WHERE NOT (SELECT p FROM parked) \
+                         ON CONFLICT DO NOTHING RETURNING 1) \
+                     SELECT (SELECT p FROM parked), EXISTS (SELECT 1 FROM fresh)",
                 )
                 .bind(&self.plugin)
                 .bind(event.event_id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-                if fresh == 0 {
+                .bind(&event.key)
+                .bind(&event.topic)
+                .fetch_one(&mut *tx)
+                .await?;
+                if parked {
+                    // Wait behind the parked event of this key, in the inbox.
+                    store_in_inbox(&mut tx, &self.plugin, event).await?;
+                    tx.commit().await?;
+                    self.inbox.notify();
+                    metrics::counter!("obx_consumer_parked_behind_total", "plugin" => self.plugin.clone()).increment(1);
+                    return Ok::<_, sqlx::Error>(Step::Done);
+                }
+                if !fresh {
                     metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
                     return Ok(Step::Done);
                 }
@@ -243,11 +271,19 @@ impl Lane {
                         self.dispatcher.commit_event(tx, emitted).await?;
                         Ok(Step::Done)
                     }
-                    Err(failure) => Ok(Step::Failed(failure)),
+                    Err(mut failure) => {
+                        if let Some(tx) = failure.tx.take() {
+                            let _ = tx.rollback().await;
+                        }
+                        Ok(Step::Failed(failure))
+                    }
                 }
             };
             match step.await {
-                Ok(Step::Done) => return Done::Settled,
+                Ok(Step::Done) => {
+                    tracing::trace!(plugin = %self.plugin, event_id = %event.event_id, took = ?started.elapsed(), "event settled");
+                    return Done::Settled;
+                }
                 Ok(Step::Failed(failure)) => {
                     tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt,
                         error = %failure.error, "event handler failed");
@@ -321,17 +357,6 @@ enum DbStep<'a> {
     Quarantine(&'a OwnedMessage, &'a str),
     StoreInInbox(&'a Incoming),
     Park(&'a Incoming, u32, &'a str),
-}
-
-async fn key_is_parked(conn: &mut PgConnection, consumer: &str, key: &str) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM obx.inbox_event \
-                        WHERE consumer = $1 AND partition_key = $2 AND NOT processed)",
-    )
-    .bind(consumer)
-    .bind(key)
-    .fetch_one(conn)
-    .await
 }
 
 /// Stores an event in the inbox, once: a redelivery finds it there.

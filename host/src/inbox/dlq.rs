@@ -82,7 +82,8 @@ pub async fn list(pool: &PgPool, consumer: Option<&str>, all: bool) -> sqlx::Res
         "SELECT d.id, d.consumer, d.event_id, d.topic, d.partition_key, d.event_type, d.error, d.attempts, \
                 d.status, d.parked_at, d.resolved_at, \
                 (SELECT count(*) FROM obx.inbox_event w \
-                 WHERE w.consumer = d.consumer AND w.partition_key = d.partition_key AND NOT w.processed \
+                 WHERE w.consumer = d.consumer AND w.topic = d.topic AND w.partition_key = d.partition_key \
+                   AND NOT w.processed \
                    AND w.event_id <> d.event_id) AS waiting \
          FROM obx.dead_letter d \
          WHERE ($1::text IS NULL OR d.consumer = $1) AND ($2 OR d.status = 'parked') \

@@ -1,7 +1,8 @@
 //! Inbox processors. Each step takes one transaction that
 //!
 //! 1. claims the next inbox event that may run — unprocessed, not parked, not waiting for a
-//!    retry, and the oldest unprocessed event of its key — with `FOR UPDATE SKIP LOCKED`;
+//!    retry, and the oldest unprocessed event of its key on its topic — with
+//!    `FOR UPDATE SKIP LOCKED`;
 //! 2. runs the plugin's handler on it, inside that transaction, which holds the row lock
 //!    throughout (the seed's sample takes the lock outside any transaction: not here);
 //! 3. marks it processed (`processed`, `processed_at`) and records it in `processed_event`;
@@ -108,7 +109,8 @@ impl Processor {
                AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now()) \
                AND (e.partition_key IS NULL OR e.seq = ( \
                     SELECT min(p.seq) FROM obx.inbox_event p \
-                    WHERE p.consumer = e.consumer AND p.partition_key = e.partition_key AND NOT p.processed)) \
+                    WHERE p.consumer = e.consumer AND p.topic = e.topic AND p.partition_key = e.partition_key \
+                      AND NOT p.processed)) \
              ORDER BY e.seq \
              LIMIT 1 \
              FOR UPDATE OF e SKIP LOCKED",
@@ -145,6 +147,9 @@ impl Processor {
             return Ok(Outcome::Idle);
         };
 
+        // Everything from here on can be undone, while the row stays locked: a failed
+        // handler's attempt is recorded before any other processor can take the row.
+        sqlx::query("SAVEPOINT obx_event").execute(&mut *tx).await?;
         // processed_event too, so that a dedup-mode redelivery of this event is a no-op.
         let fresh =
             sqlx::query("INSERT INTO obx.processed_event (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
@@ -153,14 +158,14 @@ impl Processor {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
+        // Marked before the handler runs, in the same transaction: a failure undoes it.
+        mark_processed(&mut tx, &claimed).await?;
         if fresh == 0 {
-            mark_processed(&mut tx, &claimed).await?;
             tx.commit().await?;
             return Ok(Outcome::Worked);
         }
         match self.dispatcher.run_event(&plugin, tx, claimed.event.clone()).await {
-            Ok((mut tx, emitted)) => {
-                mark_processed(&mut tx, &claimed).await?;
+            Ok((tx, emitted)) => {
                 self.dispatcher.commit_event(tx, emitted).await?;
                 metrics::counter!("obx_inbox_processed_total", "plugin" => claimed.consumer.clone()).increment(1);
             }
@@ -168,7 +173,12 @@ impl Processor {
                 let attempts = claimed.attempts as u32 + 1;
                 tracing::warn!(consumer = %claimed.consumer, event_id = %claimed.event_id, attempts,
                     error = %failure.error, "inbox event handler failed");
-                let mut tx = pool.begin().await?;
+                let Some(mut tx) = failure.tx else {
+                    // The transaction is gone, and the row lock with it: the next claim retries.
+                    return Ok(Outcome::Worked);
+                };
+                sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
+                sqlx::query(crate::dispatch::RESET_TO_HOST).execute(&mut *tx).await?;
                 if !failure.retriable || attempts >= self.config.max_attempts {
                     sqlx::query(
                         "UPDATE obx.inbox_event SET attempts = $3, last_error = $4, parked = true \
