@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole chain from one command, against a running host (`cargo xtask run`):
 #
-#   CreateOrder (orders) ─ OrderCreated ─► inventory (dedup) ─ ProductReserved ─► payments (inbox)
+#   CreateOrder (orders, Rust) ─ OrderCreated ─► inventory (Rust, dedup) ─ ProductReserved ─►
+#   payments (Rust, inbox) ─ PaymentRequested ─► shipping (Python) ─ ShipmentScheduled ─►
+#   notifications (JavaScript)
 #
 # Each plugin writes its own rows and emits its next event through the outbox, in one
 # transaction; the relay publishes committed events; consumers take them exactly once.
@@ -17,11 +19,13 @@ order=$(post orders CreateOrder '{"customerId": "c-1", "amount": 42.50, "items":
 echo "$order"
 id=$(printf '%s' "$order" | sed -n 's/.*"orderId":"\([^"]*\)".*/\1/p')
 
-echo "3. wait for the chain: OrderCreated -> inventory -> ProductReserved -> payments"
-for _ in $(seq 1 50); do
-  payment=$(post payments GetPayment "{\"orderId\": \"$id\"}")
-  case "$payment" in *requested*) break ;; esac
+echo "3. wait for the chain to reach the JavaScript plugin at its end"
+for _ in $(seq 1 100); do
+  notes=$(post notifications ListNotifications "{\"orderId\": \"$id\"}")
+  case "$notes" in *ships*) break ;; esac
   sleep 0.2
 done
-echo "   inventory: $(post inventory GetStock '{"productId": "p-1"}')"
-echo "   payments:  $payment"
+echo "   inventory (Rust):           $(post inventory GetStock '{"productId": "p-1"}')"
+echo "   payments (Rust, inbox):     $(post payments GetPayment "{\"orderId\": \"$id\"}")"
+echo "   shipping (Python):          $(post shipping GetShipment "{\"orderId\": \"$id\"}")"
+echo "   notifications (JavaScript): $notes"

@@ -2,8 +2,6 @@
 //! outbox rows together; every way a handler can fail leaves neither; idempotency keys;
 //! HTTP errors with stable codes and no leaked internals.
 
-use std::time::{Duration, Instant};
-
 use obx_tests::{spawn_host, TestHost};
 use serde_json::json;
 
@@ -134,25 +132,6 @@ async fn every_failing_ending_rolls_back_and_the_host_keeps_serving() {
         assert_eq!(ok.status, 200, "after {command}: {}", ok.text);
     }
     assert_eq!(rows_for(&host, "after-6").await, (1, 1));
-    host.shutdown().await;
-}
-
-#[tokio::test]
-async fn an_infinite_loop_is_stopped_within_the_deadline_plus_100ms() {
-    let host = spawn_host(&["testbed"]).await;
-    // Warm up: the first call pays for lazy initialisation.
-    assert_eq!(host.command("testbed", "ok", json!({ "id": "warm" })).await.status, 200);
-    let deadline = Duration::from_millis(1500);
-    for i in 0..3 {
-        let started = Instant::now();
-        let answer = host
-            .command("testbed", "loop", json!({ "id": format!("loop-{i}") }))
-            .await;
-        let took = started.elapsed();
-        assert_eq!(answer.code(), "deadline_exceeded");
-        assert!(took >= deadline, "stopped early: {took:?}");
-        assert!(took < deadline + Duration::from_millis(100), "stopped late: {took:?}");
-    }
     host.shutdown().await;
 }
 

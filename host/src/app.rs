@@ -30,6 +30,7 @@ pub struct Host {
     pub registry: Arc<Registry>,
     pub runtime: Arc<Runtime>,
     pub brokers: Arc<Brokers>,
+    pub dispatcher: Arc<Dispatcher>,
     ready: Arc<AtomicBool>,
     stop_http: watch::Sender<bool>,
     stop_tasks: watch::Sender<bool>,
@@ -132,7 +133,7 @@ pub async fn start(config: Config) -> Result<Host> {
     }
     let ready = Arc::new(AtomicBool::new(false));
     let state = AppState {
-        dispatcher,
+        dispatcher: dispatcher.clone(),
         registry: registry.clone(),
         pool: pool.clone(),
         ready: ready.clone(),
@@ -159,6 +160,7 @@ pub async fn start(config: Config) -> Result<Host> {
         registry,
         runtime,
         brokers,
+        dispatcher,
         ready,
         stop_http,
         stop_tasks,

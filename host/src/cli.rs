@@ -97,6 +97,14 @@ enum OutboxCommand {
 
 #[derive(Subcommand)]
 enum PluginCommand {
+    /// Puts a component through the conformance check: manifest, migrations on an empty
+    /// schema, every command and subscription answering with ok or a typed error. Uses a
+    /// scratch database (on DATABASE_URL's server, or a throwaway one) and drops it after.
+    Test {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Validates a component against the obx:plugin world and prints its manifest. Offline.
     Check {
         file: PathBuf,
@@ -172,7 +180,26 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             outbox_replay(cli.config, filter).await
         }
         Command::Dlq { command } => dlq(cli.config, command).await,
+        Command::Plugin {
+            command: PluginCommand::Test { file, json },
+        } => plugin_test(cli.config, file, json).await,
     }
+}
+
+async fn plugin_test(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let checks = crate::conformance::run(&file, &config).await?;
+    let passed = checks.iter().all(|c| c.passed);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&checks)?);
+    } else {
+        println!("{}:", file.display());
+        for c in &checks {
+            println!("  {} {}: {}", if c.passed { "ok  " } else { "FAIL" }, c.rule, c.detail);
+        }
+        println!("{}", if passed { "conformant" } else { "NOT conformant" });
+    }
+    Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {

@@ -8,6 +8,7 @@ pub mod api;
 pub mod app;
 pub mod cli;
 pub mod config;
+pub mod conformance;
 pub mod db;
 pub mod dispatch;
 pub mod inbox;

@@ -39,6 +39,9 @@ enum Bench {
         #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
         duration: Duration,
     },
+    /// Hot reload: from the atomic rename of a component into the watched directory to its
+    /// version serving, for plugins in Rust, Python and JavaScript; compiled, and from the cache.
+    Reload,
     /// Consume plus dedup (and inbox) throughput, next to a raw consume of the same messages.
     Consume {
         #[arg(long, default_value_t = 50_000)]
@@ -66,6 +69,7 @@ fn main() -> Result<()> {
         match cli.bench {
             Bench::Relay { rows, rate, duration } => relay(rows, rate, duration).await,
             Bench::Consume { events } => consume(events).await,
+            Bench::Reload => reload().await,
             Bench::Latency {
                 rate,
                 per_command,
@@ -409,6 +413,75 @@ async fn wait_published(pool: &PgPool) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+async fn reload() -> Result<()> {
+    let env = Env::start()?;
+    println!("# Hot reload benchmark\n");
+    println!("machine: {}\n", machine());
+    println!("From the atomic rename into the watched directory to the first command answered by the");
+    println!("new version (debounce: 50 ms). \"Compiled\": an empty compile cache; \"from the cache\": the");
+    println!("same file again after a delete.\n");
+    println!("| plugin | language | size | compiled | from the cache |");
+    println!("| --- | --- | ---: | ---: | ---: |");
+    for (component, language, plugin, command, body) in [
+        ("orders", "Rust", "orders", "CreateOrder", json!({})),
+        ("shipping", "Python", "shipping", "GetShipment", json!({})),
+        (
+            "notifications",
+            "JavaScript",
+            "notifications",
+            "ListNotifications",
+            json!({}),
+        ),
+    ] {
+        let source = obx_tests::plugin(component);
+        let size = std::fs::metadata(&source)?.len();
+        let dir = tempfile::tempdir()?;
+        let cache = tempfile::tempdir()?;
+        let url = env.database().await?;
+        let mut config = env.config(&url, dir.path());
+        config.plugins.debounce = Duration::from_millis(50);
+        config.plugins.cache_dir = Some(cache.path().to_path_buf());
+        config.consumer.enabled = false;
+        let host = obx::app::start(config).await?;
+        let client = reqwest::Client::new();
+        let command_url = format!("{}/v1/commands/{plugin}/{command}", host.url());
+        let mut times = Vec::new();
+        for _ in 0..2 {
+            let tmp = dir.path().join(format!(".{component}.tmp"));
+            let target = dir.path().join(format!("{component}.wasm"));
+            std::fs::copy(&source, &tmp)?;
+            let started = Instant::now();
+            std::fs::rename(&tmp, &target)?;
+            loop {
+                let r = client.post(&command_url).json(&body).send().await?;
+                let code: serde_json::Value = r.json().await.unwrap_or_default();
+                if code["error"]["code"] != "unknown_plugin" {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            times.push(started.elapsed());
+            std::fs::remove_file(&target)?;
+            loop {
+                let r = client.post(&command_url).json(&body).send().await?;
+                let code: serde_json::Value = r.json().await.unwrap_or_default();
+                if code["error"]["code"] == "unknown_plugin" {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        println!(
+            "| {plugin} | {language} | {:.1} MB | {:.2} s | {:.3} s |",
+            size as f64 / 1e6,
+            times[0].as_secs_f64(),
+            times[1].as_secs_f64()
+        );
+        host.shutdown().await?;
+    }
+    Ok(())
 }
 
 /// Sends `count` seed-style events (eventId and eventType headers, JSON value, 100 keys).

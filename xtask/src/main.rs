@@ -49,7 +49,7 @@ enum Task {
 }
 
 /// The plugins `cargo xtask run` serves.
-const EXAMPLE_PLUGINS: &[&str] = &["orders", "inventory", "payments"];
+const EXAMPLE_PLUGINS: &[&str] = &["orders", "inventory", "payments", "shipping", "notifications"];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -80,7 +80,10 @@ fn main() -> Result<()> {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
             let suites: Vec<Vec<String>> = if args.is_empty() {
-                vec![vec!["relay".into()], vec!["consume".into()]]
+                ["relay", "latency", "consume", "reload"]
+                    .iter()
+                    .map(|s| vec![s.to_string()])
+                    .collect()
             } else {
                 vec![args]
             };
@@ -230,7 +233,11 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
         None => plugins.join("target"),
     };
     let out = target.join("wasm32-wasip2/release");
-    for (feature, name) in [("v2", "hotswap_v2"), ("broken-migration", "hotswap_broken")] {
+    for (feature, name) in [
+        ("v2", "hotswap_v2"),
+        ("broken-migration", "hotswap_broken"),
+        ("bad-manifest", "hotswap_bad_manifest"),
+    ] {
         let variant_target = target.join("variants").join(feature);
         run(cargo()
             .current_dir(&plugins)
@@ -250,7 +257,70 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
             out.join(format!("{name}.wasm")),
         )?;
     }
+    build_python_plugin(&plugins.join("shipping-py"), &target, &out.join("shipping.wasm"))?;
+    build_js_plugin(&plugins.join("notifications-js"), &out.join("notifications.wasm"))?;
     Ok(out)
+}
+
+/// The componentize-py release the Python plugins are built with.
+const COMPONENTIZE_PY: &str = "componentize-py==0.25.1";
+
+/// Builds a Python plugin with componentize-py, installed from PyPI into a virtualenv of
+/// the target directory the first time. Skipped when the component is newer than its source.
+fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
+    if is_fresh(out, &[&dir.join("app.py"), &dir.join("../../wit/obx.wit")]) {
+        return Ok(());
+    }
+    let venv = target.join("tools/python");
+    let tool = venv.join("bin/componentize-py");
+    if !tool.exists() {
+        let python = if on_path("python3") { "python3" } else { "python" };
+        if run(Command::new(python).arg("-m").arg("venv").arg(&venv)).is_err() {
+            apt_install(&["python3-venv"])?;
+            run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+        }
+        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", COMPONENTIZE_PY]))?;
+    }
+    run(Command::new(tool)
+        .current_dir(dir)
+        .args([
+            "-d",
+            "../../wit",
+            "-w",
+            "obx:plugin/plugin",
+            "componentize",
+            "app",
+            "-o",
+        ])
+        .arg(out))
+}
+
+/// Builds a JavaScript plugin with ComponentizeJS, installed from npm (`npm ci`) the first
+/// time. Skipped when the component is newer than its source.
+fn build_js_plugin(dir: &Path, out: &Path) -> Result<()> {
+    if is_fresh(out, &[&dir.join("app.js"), &dir.join("../../wit/obx.wit")]) {
+        return Ok(());
+    }
+    if !dir.join("node_modules/.bin/componentize-js").exists() {
+        if !on_path("npm") {
+            apt_install(&["nodejs", "npm"])?;
+        }
+        run(Command::new("npm")
+            .current_dir(dir)
+            .args(["ci", "--no-audit", "--no-fund"]))?;
+    }
+    run(Command::new(dir.join("node_modules/.bin/componentize-js"))
+        .current_dir(dir)
+        .args(["app.js", "--wit", "../../wit", "--world-name", "plugin"])
+        .args(["-d", "stdio", "random", "clocks", "http", "fetch-event", "-o"])
+        .arg(out))
+}
+
+/// Whether `output` exists and is newer than every input.
+fn is_fresh(output: &Path, inputs: &[&Path]) -> bool {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let Some(out) = modified(output) else { return false };
+    inputs.iter().all(|i| modified(i).is_some_and(|t| t <= out))
 }
 
 fn ensure_wasm_target() -> Result<()> {

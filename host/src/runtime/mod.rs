@@ -328,10 +328,13 @@ fn classify_trap(store: &Store<CallState>, error: wasmtime::Error) -> Trap {
     if error.downcast_ref::<DeadlineExceeded>().is_some() {
         return Trap::Deadline;
     }
+    // The root cause first (e.g. "wasm trap: wasm `unreachable` instruction executed"),
+    // then the whole error with its Wasm backtrace, for the log.
+    let detail = format!("{}\n{error:?}", error.root_cause());
     if store.data().limiter.exceeded || error.downcast_ref::<MemoryLimitExceeded>().is_some() {
-        return Trap::Memory(format!("{error:#}"));
+        return Trap::Memory(detail);
     }
-    Trap::Fault(format!("{error:?}"))
+    Trap::Fault(detail)
 }
 
 /// Advances the engine's epoch every tick for as long as the engine exists.

@@ -47,7 +47,11 @@ impl Guest for Hotswap {
             vec![]
         };
         Manifest {
-            name: "hotswap".into(),
+            name: if cfg!(feature = "bad-manifest") {
+                "Hot Swap!".into()
+            } else {
+                "hotswap".into()
+            },
             version: VERSION.into(),
             commands: vec!["version".into(), "work".into()],
             subscriptions,
