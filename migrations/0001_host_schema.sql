@@ -4,7 +4,8 @@ CREATE SCHEMA IF NOT EXISTS obx;
 REVOKE ALL ON SCHEMA obx FROM PUBLIC;
 
 -- The transactional outbox (R-DIST-OBX-1). The columns up to published_at are exactly
--- the seed's; plugin_name and plugin_version record which plugin emitted the row.
+-- the seed's; plugin_name and plugin_version record which plugin emitted the row, and
+-- traceparent the W3C trace context of the command or event that emitted it.
 -- Rows stay after publishing, for audit and replay (R-DIST-OBX-3); the retention job
 -- deletes published rows once they are old enough.
 CREATE TABLE obx.outbox_event (
@@ -19,7 +20,8 @@ CREATE TABLE obx.outbox_event (
     created_at      timestamptz NOT NULL DEFAULT now(),
     published_at    timestamptz,
     plugin_name     text        NOT NULL,
-    plugin_version  text        NOT NULL
+    plugin_version  text        NOT NULL,
+    traceparent     text
 );
 -- The relay scans only unpublished rows; a published row leaves this index.
 CREATE INDEX ix_outbox_event_unpublished ON obx.outbox_event(id) WHERE published_at IS NULL;

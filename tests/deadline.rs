@@ -22,6 +22,7 @@ async fn an_infinite_loop_is_stopped_within_the_deadline_plus_100ms() {
             payload: json!({ "id": format!("loop-{i}") }).to_string(),
             idempotency_key: None,
             request_id: format!("loop-{i}"),
+            parent_trace: None,
         };
         let started = Instant::now();
         let answer = host.host.dispatcher.run_command(request).await;

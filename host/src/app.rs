@@ -45,6 +45,8 @@ pub struct Host {
 }
 
 pub async fn start(config: Config) -> Result<Host> {
+    // The recorder first, so that nothing done at start-up goes uncounted.
+    let metrics = crate::telemetry::metrics();
     let (url, embedded) = match &config.database.url {
         Some(url) => (url.expose().to_string(), None),
         None => {
@@ -86,6 +88,11 @@ pub async fn start(config: Config) -> Result<Host> {
         tasks_stopped.clone(),
         relay_owns_all,
     )));
+    tasks.push(tokio::spawn(crate::telemetry::run_database_gauges(
+        pool.clone(),
+        std::time::Duration::from_secs(2),
+        tasks_stopped.clone(),
+    )));
     tasks.push(tokio::spawn(retention::run(
         pool.clone(),
         config.retention.clone(),
@@ -97,6 +104,7 @@ pub async fn start(config: Config) -> Result<Host> {
     // are loaded and unloaded), and the inbox processors. The watcher stops with them.
     let (stop_consumers, consumers_stopped) = watch::channel(false);
     let mut consumers = Vec::new();
+    let lag = Arc::new(crate::telemetry::ConsumerLag::default());
     if config.plugins.watch {
         consumers.push(watcher::spawn(
             config.plugins.dir.clone(),
@@ -110,6 +118,7 @@ pub async fn start(config: Config) -> Result<Host> {
     if config.consumer.enabled {
         let inbox = Signal::default();
         let supervisor = Supervisor {
+            lag: lag.clone(),
             service: config.service.name.clone(),
             dispatcher: dispatcher.clone(),
             registry: registry.clone(),
@@ -137,7 +146,8 @@ pub async fn start(config: Config) -> Result<Host> {
         registry: registry.clone(),
         pool: pool.clone(),
         ready: ready.clone(),
-        metrics: crate::telemetry::metrics(),
+        metrics,
+        lag,
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await

@@ -38,6 +38,16 @@ enum Command {
         #[command(subcommand)]
         command: OutboxCommand,
     },
+    /// A terminal summary of a running host: plugins, outbox backlog, consumer lag, dead
+    /// letters, errors.
+    Status {
+        /// The host's address; default: http.listen of the configuration.
+        #[arg(long)]
+        url: Option<String>,
+        /// Print the raw JSON of GET /v1/status.
+        #[arg(long)]
+        json: bool,
+    },
     /// The dead-letter table: events whose handler kept failing, and quarantined messages.
     Dlq {
         #[command(subcommand)]
@@ -180,10 +190,75 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             outbox_replay(cli.config, filter).await
         }
         Command::Dlq { command } => dlq(cli.config, command).await,
+        Command::Status { url, json } => status(cli.config, url, json).await,
         Command::Plugin {
             command: PluginCommand::Test { file, json },
         } => plugin_test(cli.config, file, json).await,
     }
+}
+
+async fn status(config: Option<PathBuf>, url: Option<String>, json: bool) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let base = url.unwrap_or_else(|| format!("http://{}", config.http.listen));
+    let response = reqwest::Client::new()
+        .get(format!("{}/v1/status", base.trim_end_matches('/')))
+        .timeout(std::time::Duration::from_secs(10))
+        .send()
+        .await
+        .with_context(|| format!("asking {base} for its status"))?;
+    let code = response.status();
+    let body: serde_json::Value = response.json().await.context("reading the status")?;
+    if !code.is_success() {
+        anyhow::bail!(
+            "{base} answered {code}: {}",
+            body["error"]["message"].as_str().unwrap_or("?")
+        );
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let ready = body["ready"].as_bool().unwrap_or(false);
+    println!("OBX at {base}: {}", if ready { "ready" } else { "NOT READY" });
+    println!("\nplugins");
+    let none = Vec::new();
+    for p in body["plugins"].as_array().unwrap_or(&none) {
+        let s = |k: &str| p[k].as_str().unwrap_or("-").to_string();
+        println!(
+            "  {:<16} {:<10} {:<7} loaded {}  file {}",
+            s("name"),
+            s("version"),
+            s("state"),
+            s("loaded_at"),
+            s("file")
+        );
+        if let Some(e) = p["last_error"].as_str() {
+            println!("    last error: {e}");
+        }
+    }
+    let o = &body["outbox"];
+    println!(
+        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery",
+        o["backlog"],
+        o["oldest_unpublished_seconds"].as_f64().unwrap_or(0.0),
+        o["rows_failing"]
+    );
+    println!(
+        "\nconsumption\n  {:<16} {:>8} {:>8} {:>13} {:>12}",
+        "plugin", "lag", "inbox", "dead letters", "quarantined"
+    );
+    for c in body["consumption"].as_array().unwrap_or(&none) {
+        let lag = c["lag"].as_i64().map(|l| l.to_string()).unwrap_or_else(|| "-".into());
+        println!(
+            "  {:<16} {:>8} {:>8} {:>13} {:>12}",
+            c["plugin"].as_str().unwrap_or("?"),
+            lag,
+            c["inbox_backlog"],
+            c["dead_letters"],
+            c["quarantined"]
+        );
+    }
+    Ok(if ready { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 async fn plugin_test(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {

@@ -22,6 +22,8 @@ use crate::runtime::bindings::{guest, types::HandlerError};
 use crate::runtime::registry::Registry;
 use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
 use crate::signal::Signal;
+use crate::trace::TraceContext;
+use tracing::Instrument;
 
 pub struct Dispatcher {
     pub(crate) pool: PgPool,
@@ -37,6 +39,8 @@ pub struct CommandRequest {
     pub payload: String,
     pub idempotency_key: Option<String>,
     pub request_id: String,
+    /// The caller's trace context (`traceparent`), if it sent one.
+    pub parent_trace: Option<TraceContext>,
 }
 
 /// A successful command, or a stored answer replayed for a repeated `Idempotency-Key`.
@@ -181,8 +185,36 @@ impl Dispatcher {
 
     /// Runs one command in one transaction.
     pub async fn run_command(&self, req: CommandRequest) -> Result<CommandResponse, CommandError> {
+        self.run_command_traced(req).await.0
+    }
+
+    /// Like [`Dispatcher::run_command`], and returns the trace context of the command's span,
+    /// which the events it emitted name as their parent.
+    pub async fn run_command_traced(
+        &self,
+        req: CommandRequest,
+    ) -> (Result<CommandResponse, CommandError>, TraceContext) {
+        let trace = TraceContext::child_of(req.parent_trace.as_ref());
+        let span = tracing::info_span!(
+            "command",
+            plugin = %req.plugin,
+            command = %req.command,
+            request_id = %req.request_id,
+            trace_id = %trace.trace_id(),
+            span_id = %trace.span_id(),
+            parent_span_id = %crate::trace::parent_field(req.parent_trace.as_ref()),
+        );
+        let result = self.run_command_in_span(&req, &trace).instrument(span).await;
+        (result, trace)
+    }
+
+    async fn run_command_in_span(
+        &self,
+        req: &CommandRequest,
+        trace: &TraceContext,
+    ) -> Result<CommandResponse, CommandError> {
         let started = Instant::now();
-        let result = self.run_command_inner(&req).await;
+        let result = self.run_command_inner(req, trace).await;
         let outcome = match &result {
             Ok(r) if r.replayed => "replayed",
             Ok(_) => "ok",
@@ -206,7 +238,11 @@ impl Dispatcher {
         result
     }
 
-    async fn run_command_inner(&self, req: &CommandRequest) -> Result<CommandResponse, CommandError> {
+    async fn run_command_inner(
+        &self,
+        req: &CommandRequest,
+        trace: &TraceContext,
+    ) -> Result<CommandResponse, CommandError> {
         let plugin = self
             .registry
             .get(&req.plugin)
@@ -270,13 +306,8 @@ impl Dispatcher {
             Ok(response) => match check_response(&response, self.runtime.limits().max_payload_bytes) {
                 Ok(()) => {
                     let body = response.into_bytes();
-                    self.commit(
-                        tx,
-                        &plugin,
-                        &events,
-                        idempotency.as_ref().map(|(k, _)| (*k, 200, &body[..])),
-                    )
-                    .await?;
+                    let answer = idempotency.as_ref().map(|(k, _)| (*k, 200, &body[..]));
+                    self.commit(tx, &plugin, trace, &events, answer).await?;
                     return Ok(CommandResponse {
                         status: 200,
                         body,
@@ -314,15 +345,23 @@ impl Dispatcher {
         &self,
         mut tx: Transaction<'static, Postgres>,
         plugin: &Plugin,
+        trace: &TraceContext,
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
         if !events.is_empty() || answer.is_some() {
             leave_plugin(&mut tx).await.map_err(db_error)?;
         }
-        outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, events)
-            .await
-            .map_err(db_error)?;
+        let traceparent = trace.header();
+        outbox::writer::insert(
+            &mut tx,
+            &plugin.manifest.name,
+            &plugin.manifest.version,
+            Some(&traceparent),
+            events,
+        )
+        .await
+        .map_err(db_error)?;
         if let Some((key, status, body)) = answer {
             store_answer(&mut tx, &plugin.manifest.name, key, status, body)
                 .await
@@ -358,8 +397,30 @@ impl Dispatcher {
     pub async fn run_event(
         &self,
         plugin: &Plugin,
+        tx: Transaction<'static, Postgres>,
+        event: guest::Event,
+        parent_trace: Option<&TraceContext>,
+    ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
+        let trace = TraceContext::child_of(parent_trace);
+        let span = tracing::info_span!(
+            "event",
+            plugin = %plugin.manifest.name,
+            event_id = %event.event_id,
+            event_type = %event.event_type,
+            attempt = event.attempt,
+            trace_id = %trace.trace_id(),
+            span_id = %trace.span_id(),
+            parent_span_id = %crate::trace::parent_field(parent_trace),
+        );
+        self.run_event_in_span(plugin, tx, event, &trace).instrument(span).await
+    }
+
+    async fn run_event_in_span(
+        &self,
+        plugin: &Plugin,
         mut tx: Transaction<'static, Postgres>,
         event: guest::Event,
+        trace: &TraceContext,
     ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
         let started = Instant::now();
         if let Err(e) = enter_plugin(&mut tx, plugin, self.runtime.limits()).await {
@@ -381,7 +442,15 @@ impl Dispatcher {
                         return Ok(());
                     }
                     leave_plugin(&mut tx).await?;
-                    outbox::writer::insert(&mut tx, &plugin.manifest.name, &plugin.manifest.version, &events).await
+                    let traceparent = trace.header();
+                    outbox::writer::insert(
+                        &mut tx,
+                        &plugin.manifest.name,
+                        &plugin.manifest.version,
+                        Some(&traceparent),
+                        &events,
+                    )
+                    .await
                 }
                 .await;
                 match written {

@@ -19,3 +19,4 @@ pub mod runtime;
 pub mod signal;
 pub mod sql_policy;
 pub mod telemetry;
+pub mod trace;

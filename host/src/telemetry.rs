@@ -1,6 +1,7 @@
 //! Logs (tracing) and metrics (Prometheus, served at `/metrics`).
 
-use std::sync::OnceLock;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::EnvFilter;
@@ -33,4 +34,70 @@ pub fn metrics() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+/// Gauges read from the database every few seconds, so that every host reports them whatever
+/// it runs: the outbox backlog and the age of its oldest row, the inbox backlog, the dead
+/// letters parked and the messages quarantined, per plugin.
+pub async fn run_database_gauges(
+    pool: sqlx::PgPool,
+    every: std::time::Duration,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        if let Err(e) = record_database_gauges(&pool).await {
+            tracing::debug!(error = %e, "could not read the database gauges");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
+    let (backlog, oldest): (i64, Option<f64>) = sqlx::query_as(
+        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
+         FROM obx.outbox_event WHERE published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    metrics::gauge!("obx_outbox_backlog").set(backlog as f64);
+    metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
+    let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+        "SELECT p.name, \
+                (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
+                (SELECT count(*) FROM obx.dead_letter d WHERE d.consumer = p.name AND d.status = 'parked'), \
+                (SELECT count(*) FROM obx.quarantine q WHERE q.consumer = p.name) \
+         FROM obx.plugin p",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (plugin, inbox, dead, quarantined) in per_plugin {
+        metrics::gauge!("obx_inbox_backlog", "plugin" => plugin.clone()).set(inbox as f64);
+        metrics::gauge!("obx_dead_letters_parked", "plugin" => plugin.clone()).set(dead as f64);
+        metrics::gauge!("obx_quarantined_messages", "plugin" => plugin).set(quarantined as f64);
+    }
+    Ok(())
+}
+
+/// The last consumer lag librdkafka reported, by (plugin, topic, partition): for `/v1/status`.
+#[derive(Default)]
+pub struct ConsumerLag(Mutex<BTreeMap<(String, String, i32), i64>>);
+
+impl ConsumerLag {
+    pub fn set(&self, plugin: &str, topic: &str, partition: i32, lag: i64) {
+        let mut lags = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        lags.insert((plugin.to_string(), topic.to_string(), partition), lag);
+    }
+
+    /// Total lag per plugin.
+    pub fn per_plugin(&self) -> BTreeMap<String, i64> {
+        let lags = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = BTreeMap::new();
+        for ((plugin, _, _), lag) in lags.iter() {
+            *out.entry(plugin.clone()).or_insert(0) += lag;
+        }
+        out
+    }
 }

@@ -86,14 +86,28 @@ async fn handle(
             }
         },
     };
+    let parent_trace = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::trace::TraceContext::parse);
     let request = CommandRequest {
         plugin,
         command,
         payload: payload.to_string(),
         idempotency_key,
         request_id: request_id.to_string(),
+        parent_trace,
     };
-    match state.dispatcher.run_command(request).await {
+    let (result, trace) = state.dispatcher.run_command_traced(request).await;
+    let mut response = respond(result);
+    if let Ok(v) = HeaderValue::from_str(&trace.header()) {
+        response.headers_mut().insert("traceparent", v);
+    }
+    response
+}
+
+fn respond(result: Result<crate::dispatch::CommandResponse, crate::dispatch::CommandError>) -> Response {
+    match result {
         Ok(answer) => {
             let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
             let mut response = (status, [(header::CONTENT_TYPE, "application/json")], answer.body).into_response();

@@ -33,12 +33,14 @@ pub struct AppState {
     /// False until plugins are loaded, and again once shutdown begins.
     pub ready: Arc<AtomicBool>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    pub lag: Arc<crate::telemetry::ConsumerLag>,
 }
 
 pub fn router(state: AppState, http: &HttpConfig) -> Router {
     Router::new()
         .route("/v1/commands/{plugin}/{command}", post(commands::run))
         .route("/v1/plugins", get(plugins))
+        .route("/v1/status", get(status))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -54,6 +56,59 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
 
 async fn plugins(State(state): State<AppState>) -> Response {
     Json(json!({ "plugins": state.registry.status() })).into_response()
+}
+
+/// A summary of what the host is doing, for `obx status` and dashboards.
+async fn status(State(state): State<AppState>) -> Response {
+    let db = async {
+        let outbox: (i64, Option<f64>) = sqlx::query_as(
+            "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
+             FROM obx.outbox_event WHERE published_at IS NULL",
+        )
+        .fetch_one(&state.pool)
+        .await?;
+        let failures: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_delivery_failure")
+            .fetch_one(&state.pool)
+            .await?;
+        let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+            "SELECT p.name, \
+                    (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
+                    (SELECT count(*) FROM obx.dead_letter d WHERE d.consumer = p.name AND d.status = 'parked'), \
+                    (SELECT count(*) FROM obx.quarantine q WHERE q.consumer = p.name) \
+             FROM obx.plugin p ORDER BY p.name",
+        )
+        .fetch_all(&state.pool)
+        .await?;
+        Ok::<_, sqlx::Error>((outbox, failures, per_plugin))
+    };
+    let Ok(Ok(((backlog, oldest), failures, per_plugin))) = tokio::time::timeout(Duration::from_secs(5), db).await
+    else {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database_unavailable",
+            "Postgres does not answer",
+        );
+    };
+    let lag = state.lag.per_plugin();
+    let consumption: Vec<_> = per_plugin
+        .into_iter()
+        .map(|(plugin, inbox, dead, quarantined)| {
+            json!({
+                "plugin": plugin,
+                "lag": lag.get(&plugin),
+                "inbox_backlog": inbox,
+                "dead_letters": dead,
+                "quarantined": quarantined,
+            })
+        })
+        .collect();
+    Json(json!({
+        "ready": state.ready.load(Ordering::SeqCst),
+        "plugins": state.registry.status(),
+        "outbox": { "backlog": backlog, "oldest_unpublished_seconds": oldest, "rows_failing": failures },
+        "consumption": consumption,
+    }))
+    .into_response()
 }
 
 /// Liveness: the process is up and serving HTTP.

@@ -25,8 +25,10 @@ use crate::kafka::Brokers;
 use crate::runtime::manifest::DeliveryMode;
 use crate::runtime::registry::Registry;
 use crate::signal::Signal;
+use crate::trace::TraceContext;
 
 pub struct Consumer {
+    pub lag: Arc<crate::telemetry::ConsumerLag>,
     pub plugin: String,
     pub group: String,
     pub dispatcher: Arc<Dispatcher>,
@@ -143,7 +145,7 @@ impl Consumer {
         tracing::info!(plugin = %self.plugin, "consumer stopped");
     }
 
-    fn create(&self) -> rdkafka::error::KafkaResult<StreamConsumer> {
+    fn create(&self) -> rdkafka::error::KafkaResult<StreamConsumer<LagReporter>> {
         let mut config = self.brokers.client_config(&self.kafka);
         config
             .set("group.id", &self.group)
@@ -161,19 +163,49 @@ impl Consumer {
             // A host that dies gives up its partitions after 10 s, not librdkafka's 45 s.
             .set("session.timeout.ms", "10000")
             .set("heartbeat.interval.ms", "1000")
+            // librdkafka reports each partition's lag with its statistics.
+            .set("statistics.interval.ms", "5000")
             .set("fetch.wait.max.ms", "50");
         for (key, value) in &self.kafka.properties {
             config.set(key, value.expose());
         }
-        config.create()
+        config.create_with_context(LagReporter {
+            plugin: self.plugin.clone(),
+            lag: self.lag.clone(),
+        })
     }
 }
+
+/// Publishes each partition's consumer lag (`obx_consumer_lag`) from librdkafka's statistics.
+pub struct LagReporter {
+    plugin: String,
+    lag: Arc<crate::telemetry::ConsumerLag>,
+}
+
+impl rdkafka::ClientContext for LagReporter {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        for (topic, t) in statistics.topics {
+            for (id, p) in t.partitions {
+                // -1 is librdkafka's internal "unassigned" partition; a negative lag is unknown.
+                if id < 0 || p.consumer_lag < 0 {
+                    continue;
+                }
+                metrics::gauge!("obx_consumer_lag", "plugin" => self.plugin.clone(), "topic" => topic.clone(),
+                    "partition" => id.to_string())
+                .set(p.consumer_lag as f64);
+                self.lag.set(&self.plugin, &topic, id, p.consumer_lag);
+            }
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for LagReporter {}
 
 impl Lane {
     async fn run(
         self,
         mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
-        consumer: Arc<StreamConsumer>,
+        consumer: Arc<StreamConsumer<LagReporter>>,
     ) {
         while let Some((m, _permit)) = rx.recv().await {
             if *self.shutdown.borrow() {
@@ -266,7 +298,12 @@ impl Lane {
                     metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
                     return Ok(Step::Done);
                 }
-                match self.dispatcher.run_event(&plugin, tx, event.to_guest(attempt)).await {
+                let parent = event.headers.get("traceparent").and_then(|t| TraceContext::parse(t));
+                match self
+                    .dispatcher
+                    .run_event(&plugin, tx, event.to_guest(attempt), parent.as_ref())
+                    .await
+                {
                     Ok((tx, emitted)) => {
                         self.dispatcher.commit_event(tx, emitted).await?;
                         Ok(Step::Done)

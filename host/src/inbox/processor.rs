@@ -164,7 +164,17 @@ impl Processor {
             tx.commit().await?;
             return Ok(Outcome::Worked);
         }
-        match self.dispatcher.run_event(&plugin, tx, claimed.event.clone()).await {
+        let parent = claimed
+            .event
+            .headers
+            .iter()
+            .find(|(k, _)| k == "traceparent")
+            .and_then(|(_, v)| crate::trace::TraceContext::parse(v));
+        match self
+            .dispatcher
+            .run_event(&plugin, tx, claimed.event.clone(), parent.as_ref())
+            .await
+        {
             Ok((tx, emitted)) => {
                 self.dispatcher.commit_event(tx, emitted).await?;
                 metrics::counter!("obx_inbox_processed_total", "plugin" => claimed.consumer.clone()).increment(1);

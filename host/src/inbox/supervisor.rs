@@ -18,6 +18,7 @@ use crate::runtime::registry::Registry;
 use crate::signal::Signal;
 
 pub struct Supervisor {
+    pub lag: Arc<crate::telemetry::ConsumerLag>,
     pub service: String,
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,
@@ -74,6 +75,7 @@ impl Supervisor {
             }
             let (stop, stopped) = watch::channel(false);
             let consumer = Consumer {
+                lag: self.lag.clone(),
                 plugin: name.clone(),
                 group: format!("{}.{}", self.service, name),
                 dispatcher: self.dispatcher.clone(),

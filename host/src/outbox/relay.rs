@@ -56,7 +56,6 @@ const MEMBER_LOCK: i32 = 0x6f62_7802;
 /// The channel other hosts' commits are announced on.
 pub const NOTIFY_CHANNEL: &str = "obx_outbox";
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
-const STATS_EVERY: Duration = Duration::from_secs(5);
 
 /// An outbox row as the relay and replay send it.
 #[derive(Debug, sqlx::FromRow)]
@@ -71,19 +70,20 @@ pub struct OutboxRow {
     pub partition_key: String,
     pub created_at: DateTime<Utc>,
     pub shard: i32,
+    pub traceparent: Option<String>,
 }
 
 /// The columns [`OutboxRow`] reads, for the SELECTs of the relay and of replay.
 pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
      o.payload::text AS payload, o.topic, o.partition_key, o.created_at, \
-     obx.outbox_shard(o.partition_key) AS shard";
+     obx.outbox_shard(o.partition_key) AS shard, o.traceparent";
 
 impl OutboxRow {
     /// The Kafka headers of this row. The first two are named as in the seed, so that
-    /// services following it can read them.
+    /// services following it can read them; `traceparent` carries the trace on.
     pub fn headers(&self) -> OwnedHeaders {
         let event_id = self.event_id.to_string();
-        OwnedHeaders::new_with_capacity(5)
+        let headers = OwnedHeaders::new_with_capacity(5)
             .insert(Header {
                 key: "eventId",
                 value: Some(event_id.as_str()),
@@ -99,7 +99,14 @@ impl OutboxRow {
             .insert(Header {
                 key: "aggregateId",
                 value: Some(self.aggregate_id.as_str()),
-            })
+            });
+        match &self.traceparent {
+            Some(t) => headers.insert(Header {
+                key: "traceparent",
+                value: Some(t.as_str()),
+            }),
+            None => headers,
+        }
     }
 
     /// The Kafka record of this row, for `topic` (the row's topic with the configured prefix).
@@ -172,7 +179,6 @@ struct State {
     /// Topics seen to exist (or created): a new topic is checked once, before its first send.
     topics: HashSet<String>,
     last_rebalance: Option<Instant>,
-    last_stats: Option<Instant>,
     /// When the last claim began.
     last_step: Option<Instant>,
 }
@@ -186,7 +192,6 @@ impl Relay {
             shards: BTreeSet::new(),
             topics: HashSet::new(),
             last_rebalance: None,
-            last_stats: None,
             last_step: None,
         };
         let mut listener: Option<PgListener> = None;
@@ -282,10 +287,6 @@ impl Relay {
                 .store(st.shards.len() == SHARDS as usize, Ordering::Relaxed);
             st.last_rebalance = Some(Instant::now());
             metrics::gauge!("obx_relay_shards").set(st.shards.len() as f64);
-        }
-        if st.last_stats.is_none_or(|t| t.elapsed() >= STATS_EVERY) {
-            record_backlog(conn).await?;
-            st.last_stats = Some(Instant::now());
         }
         if st.shards.is_empty() {
             return Ok(Outcome::Idle);
@@ -561,19 +562,6 @@ async fn rebalance(conn: &mut PgConnection, held: &mut BTreeSet<i32>, busy: &Has
         .await?;
         held.extend(got);
     }
-    Ok(())
-}
-
-/// Publishes the outbox backlog and the age of its oldest row as metrics.
-async fn record_backlog(conn: &mut PgConnection) -> Result<()> {
-    let (backlog, oldest): (i64, Option<f64>) = sqlx::query_as(
-        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
-         FROM obx.outbox_event WHERE published_at IS NULL",
-    )
-    .fetch_one(conn)
-    .await?;
-    metrics::gauge!("obx_outbox_backlog").set(backlog as f64);
-    metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
     Ok(())
 }
 

@@ -12,6 +12,7 @@ pub async fn insert(
     conn: &mut PgConnection,
     plugin_name: &str,
     plugin_version: &str,
+    traceparent: Option<&str>,
     events: &[NewEvent],
 ) -> sqlx::Result<()> {
     if events.is_empty() {
@@ -36,9 +37,9 @@ pub async fn insert(
     sqlx::query(
         "INSERT INTO obx.outbox_event \
            (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, \
-            plugin_name, plugin_version, created_at) \
+            plugin_name, plugin_version, created_at, traceparent) \
          SELECT e.event_id, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb, \
-                e.topic, e.partition_key, $8, $9, clock_timestamp() \
+                e.topic, e.partition_key, $8, $9, clock_timestamp(), $10 \
          FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[]) \
            WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
                                 partition_key, n) \
@@ -53,6 +54,7 @@ pub async fn insert(
     .bind(&keys)
     .bind(plugin_name)
     .bind(plugin_version)
+    .bind(traceparent)
     .execute(conn)
     .await?;
     Ok(())

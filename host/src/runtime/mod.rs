@@ -272,7 +272,8 @@ impl Runtime {
         ) -> futures::future::BoxFuture<'a, wasmtime::Result<Result<T, HandlerError>>>,
     {
         let limits = &self.limits;
-        let deadline = Instant::now() + limits.call_deadline;
+        let started = Instant::now();
+        let deadline = started + limits.call_deadline;
         let Ok(Ok(_slot)) = tokio::time::timeout(limits.call_deadline, self.slots.acquire()).await else {
             return CallOutput {
                 result: Err(CallError::Busy),
@@ -294,6 +295,8 @@ impl Runtime {
             Err(_) => {
                 // The future owned a borrow of the store only; dropping the transaction
                 // inside it rolls it back.
+                metrics::counter!("obx_plugin_traps_total", "plugin" => plugin.identity.name.clone(), "kind" => "deadline")
+                    .increment(1);
                 return CallOutput {
                     result: Err(CallError::Trapped(Trap::Deadline)),
                     tx: None,
@@ -303,6 +306,23 @@ impl Runtime {
         };
         let outcome = outcome.map_err(|e| classify_trap(&store, e));
         let state = store.into_data();
+        let name = plugin.identity.name.clone();
+        metrics::histogram!("obx_plugin_call_duration_seconds", "plugin" => name.clone())
+            .record(started.elapsed().as_secs_f64());
+        let outcome_label = match &outcome {
+            Ok(Ok(_)) => "ok",
+            Ok(Err(_)) => "error",
+            Err(_) => "trap",
+        };
+        metrics::counter!("obx_plugin_calls_total", "plugin" => name.clone(), "outcome" => outcome_label).increment(1);
+        if let Err(trap) = &outcome {
+            let kind = match trap {
+                Trap::Deadline => "deadline",
+                Trap::Memory(_) => "memory",
+                Trap::Fault(_) => "trap",
+            };
+            metrics::counter!("obx_plugin_traps_total", "plugin" => name, "kind" => kind).increment(1);
+        }
         let result = match outcome {
             Err(trap) => Err(CallError::Trapped(trap)),
             Ok(Err(handler_error)) => Err(CallError::Handler(handler_error)),

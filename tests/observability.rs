@@ -1,0 +1,243 @@
+//! What operators see: Prometheus series that move as events flow, and one W3C trace
+//! followed from an HTTP command, through the outbox and Kafka, into the span of the handler
+//! of the event it caused. A binary of its own: it installs the process's tracing subscriber
+//! and reads the process-wide metrics.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host};
+use serde_json::json;
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::Layer;
+
+/// Spans as they were opened: name and fields.
+type Spans = Arc<Mutex<Vec<(String, HashMap<String, String>)>>>;
+
+struct Capture(Spans);
+
+struct Fields<'a>(&'a mut HashMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_string(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_string(), value.to_string());
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Capture {
+    fn on_new_span(&self, attrs: &tracing::span::Attributes<'_>, _: &tracing::span::Id, _: Context<'_, S>) {
+        let mut fields = HashMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        self.0
+            .lock()
+            .unwrap()
+            .push((attrs.metadata().name().to_string(), fields));
+    }
+}
+
+fn spans() -> Spans {
+    static SPANS: OnceLock<Spans> = OnceLock::new();
+    SPANS
+        .get_or_init(|| {
+            let spans = Spans::default();
+            let subscriber = tracing_subscriber::registry().with(Capture(spans.clone()));
+            tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this binary");
+            spans
+        })
+        .clone()
+}
+
+#[tokio::test]
+async fn one_traceparent_is_followed_from_the_http_command_to_the_event_handler() {
+    let spans = spans();
+    let host = spawn_host(&["orders", "inventory"]).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let traceparent = format!("00-{trace_id}-{caller_span}-01");
+    let answer = host
+        .request(
+            "orders",
+            "CreateOrder",
+            json!({ "customerId": "t", "amount": 5 }).to_string().into_bytes(),
+            &[("content-type", "application/json"), ("traceparent", &traceparent)],
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let returned = answer.headers["traceparent"].to_str().unwrap().to_string();
+    assert!(returned.starts_with(&format!("00-{trace_id}-")), "{returned}");
+    let command_span = returned.split('-').nth(2).unwrap().to_string();
+
+    // The command's span: our trace, our span as its parent.
+    let find = |name: &str, field: &str, value: &str| {
+        spans
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(n, f)| n == name && f.get(field).map(String::as_str) == Some(value))
+            .cloned()
+    };
+    let (_, command) = find("command", "span_id", &command_span).expect("a command span");
+    assert_eq!(command["trace_id"], trace_id);
+    assert_eq!(command["parent_span_id"], caller_span);
+
+    // The outbox row and the Kafka message carry the command's span as the parent.
+    let stored: Option<String> = sqlx::query_scalar("SELECT traceparent FROM obx.outbox_event")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(stored.as_deref(), Some(returned.as_str()));
+    let messages = consume(
+        &host.host.brokers.bootstrap,
+        &host.topic("order.events"),
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(messages[0].header("traceparent"), Some(returned.as_str()));
+
+    // The inventory handler's span: same trace, the command's span as its parent.
+    eventually(Duration::from_secs(30), "the event handler's span", || async {
+        find("event", "parent_span_id", &command_span).is_some()
+    })
+    .await;
+    let (_, event) = find("event", "parent_span_id", &command_span).unwrap();
+    assert_eq!(event["trace_id"], trace_id);
+    assert_eq!(event["plugin"], "inventory");
+    assert_eq!(event["event_type"], "OrderCreated");
+    host.shutdown().await;
+}
+
+/// Sum of the samples of a metric whose labels contain `labels`.
+fn sample(metrics: &str, name: &str, labels: &str) -> Option<f64> {
+    let mut found = None;
+    for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let metric = series.split('{').next().unwrap_or(series);
+        if metric == name && series.contains(labels) {
+            *found.get_or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn metrics_move_as_events_flow() {
+    let _ = spans();
+    let host = spawn_host(&["orders", "testbed"]).await;
+    let before = host.get("/metrics").await.text;
+    let p = producer(&host.host.brokers.bootstrap);
+
+    // Commands (one that traps), events (one of them twice, one that fails until parked).
+    for i in 0..5 {
+        let a = host
+            .command(
+                "orders",
+                "CreateOrder",
+                json!({ "customerId": format!("m{i}"), "amount": 1 }),
+            )
+            .await;
+        assert_eq!(a.status, 200);
+    }
+    assert_eq!(host.command("testbed", "trap", json!({ "id": "t" })).await.status, 500);
+    let id = uuid::Uuid::new_v4();
+    for _ in 0..2 {
+        send_event_with_id(&p, &host.topic("testbed.events"), "k", "Thing", &json!({}), id).await;
+    }
+    send_event(
+        &p,
+        &host.topic("testbed.events"),
+        "poison",
+        "Thing",
+        &json!({ "reject": true }),
+    )
+    .await;
+    send_event(&p, &host.topic("testbed.inbox"), "i", "Thing", &json!({})).await;
+
+    let moved = |name: &'static str, labels: &'static str| {
+        let before = sample(&before, name, labels).unwrap_or(0.0);
+        move |now: &str| sample(now, name, labels).is_some_and(|v| v > before)
+    };
+    type Check = Box<dyn Fn(&str) -> bool>;
+    let checks: Vec<(&str, Check)> = vec![
+        ("outbox published", Box::new(moved("obx_outbox_published_total", ""))),
+        (
+            "commit-to-ack latency",
+            Box::new(moved("obx_outbox_commit_to_ack_seconds_count", "")),
+        ),
+        (
+            "outbox backlog",
+            Box::new(|m: &str| sample(m, "obx_outbox_backlog", "").is_some()),
+        ),
+        (
+            "oldest unpublished",
+            Box::new(|m: &str| sample(m, "obx_outbox_oldest_unpublished_seconds", "").is_some()),
+        ),
+        (
+            "consumer lag",
+            Box::new(|m: &str| sample(m, "obx_consumer_lag", "plugin=\"testbed\"").is_some()),
+        ),
+        (
+            "dedup hits",
+            Box::new(moved("obx_consumer_dedup_hits_total", "plugin=\"testbed\"")),
+        ),
+        (
+            "inbox backlog",
+            Box::new(|m: &str| sample(m, "obx_inbox_backlog", "plugin=\"testbed\"").is_some()),
+        ),
+        (
+            "dead letters",
+            Box::new(|m: &str| sample(m, "obx_dead_letters_parked", "plugin=\"testbed\"") == Some(1.0)),
+        ),
+        (
+            "plugin calls",
+            Box::new(moved("obx_plugin_calls_total", "plugin=\"orders\"")),
+        ),
+        (
+            "plugin latency",
+            Box::new(moved("obx_plugin_call_duration_seconds_count", "plugin=\"orders\"")),
+        ),
+        (
+            "plugin traps",
+            Box::new(moved("obx_plugin_traps_total", "plugin=\"testbed\",kind=\"trap\"")),
+        ),
+        (
+            "plugin loads",
+            Box::new(|m: &str| sample(m, "obx_plugin_loads_total", "plugin=\"orders\"").is_some()),
+        ),
+    ];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let now = loop {
+        let now = host.get("/metrics").await.text;
+        if checks.iter().all(|(_, check)| check(&now)) || tokio::time::Instant::now() > deadline {
+            break now;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let failing: Vec<&str> = checks
+        .iter()
+        .filter(|(_, check)| !check(&now))
+        .map(|(name, _)| *name)
+        .collect();
+    assert!(failing.is_empty(), "series that did not move: {failing:?}\n{now}");
+
+    // And the status summary reports the same state.
+    let status = host.get("/v1/status").await.body;
+    assert_eq!(status["ready"], true);
+    let testbed = status["consumption"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["plugin"] == "testbed")
+        .unwrap()
+        .clone();
+    assert_eq!(testbed["dead_letters"], 1, "{status}");
+    assert!(status["plugins"].as_array().unwrap().len() >= 2);
+    host.shutdown().await;
+}
