@@ -47,11 +47,30 @@ enum Command {
         /// Print the raw JSON of GET /v1/status.
         #[arg(long)]
         json: bool,
+        /// An admin token; default: the first of http.auth.admin_tokens in the configuration.
+        #[arg(long, env = "OBX_ADMIN_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// The dead-letter table: events whose handler kept failing, and quarantined messages.
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Loads the configuration (file and environment) and validates it, as `serve` would,
+    /// without connecting to anything. Exit status 1 names the bad key and the reason.
+    Check {
+        /// Print the effective configuration, secrets redacted.
+        #[arg(long)]
+        print: bool,
     },
 }
 
@@ -147,12 +166,42 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Serve => {
             let config = Config::load(cli.config.as_deref())?;
-            let host = crate::app::start(config).await?;
-            wait_for_signal().await?;
-            tracing::info!("shutting down");
-            host.shutdown().await?;
-            Ok(ExitCode::SUCCESS)
+            let bound = config.http.shutdown_timeout;
+            let mut signals = Signals::new()?;
+            let host = tokio::select! {
+                host = crate::app::start(config) => host?,
+                _ = signals.next() => {
+                    tracing::warn!("signal received while starting; stopping");
+                    return Ok(ExitCode::from(130));
+                }
+            };
+            signals.next().await;
+            tracing::info!(bound = ?bound, "shutting down; a second signal stops at once");
+            let started = std::time::Instant::now();
+            tokio::select! {
+                stopped = tokio::time::timeout(bound, host.shutdown()) => match stopped {
+                    Ok(result) => {
+                        result?;
+                        tracing::info!(took = ?started.elapsed(), "stopped");
+                        Ok(ExitCode::SUCCESS)
+                    }
+                    Err(_) => {
+                        // Whatever was not finished was not committed: its commands got no
+                        // answer, its events are redelivered, its outbox rows are relayed
+                        // by the next start.
+                        tracing::error!(bound = ?bound, "graceful shutdown did not finish in time; stopping now");
+                        std::process::exit(1);
+                    }
+                },
+                _ = signals.next() => {
+                    tracing::warn!("second signal: stopping now");
+                    std::process::exit(130);
+                }
+            }
         }
+        Command::Config {
+            command: ConfigCommand::Check { print },
+        } => config_check(cli.config, print),
         Command::Migrate => {
             let config = Config::load(cli.config.as_deref())?;
             let url = config
@@ -190,19 +239,24 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             outbox_replay(cli.config, filter).await
         }
         Command::Dlq { command } => dlq(cli.config, command).await,
-        Command::Status { url, json } => status(cli.config, url, json).await,
+        Command::Status { url, json, token } => status(cli.config, url, json, token).await,
         Command::Plugin {
             command: PluginCommand::Test { file, json },
         } => plugin_test(cli.config, file, json).await,
     }
 }
 
-async fn status(config: Option<PathBuf>, url: Option<String>, json: bool) -> Result<ExitCode> {
+async fn status(config: Option<PathBuf>, url: Option<String>, json: bool, token: Option<String>) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
     let base = url.unwrap_or_else(|| format!("http://{}", config.http.listen));
-    let response = reqwest::Client::new()
+    let token = token.or_else(|| config.http.auth.admin_tokens.first().map(|t| t.expose().to_string()));
+    let mut request = reqwest::Client::new()
         .get(format!("{}/v1/status", base.trim_end_matches('/')))
-        .timeout(std::time::Duration::from_secs(10))
+        .timeout(std::time::Duration::from_secs(10));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request
         .send()
         .await
         .with_context(|| format!("asking {base} for its status"))?;
@@ -410,13 +464,47 @@ async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Res
     }
 }
 
-async fn wait_for_signal() -> Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT, as one stream.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    Ok(())
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+}
+
+/// `obx config check`: loads and validates the configuration as `serve` would, offline.
+fn config_check(file: Option<PathBuf>, print: bool) -> Result<ExitCode> {
+    match Config::load(file.as_deref()) {
+        Ok(config) => {
+            if print {
+                // Secrets serialize as "[redacted]".
+                print!(
+                    "{}",
+                    toml::to_string_pretty(&config).context("printing the configuration")?
+                );
+            } else {
+                println!("configuration is valid");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::FAILURE)
+        }
+    }
 }

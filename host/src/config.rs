@@ -87,13 +87,19 @@ impl Default for ConsumerConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
-    /// Where the command and admin API listens. Loopback by default.
+    /// Where the command and admin API listens. Loopback by default; anywhere else,
+    /// `http.auth` must hold tokens for both scopes.
     pub listen: SocketAddr,
     /// The largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// Requests that take longer are answered 503.
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands and
+    /// events, the relay's last batch. A second signal stops at once.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+    pub auth: AuthConfig,
 }
 
 impl Default for HttpConfig {
@@ -102,7 +108,26 @@ impl Default for HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 1024 * 1024,
             request_timeout: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(30),
+            auth: AuthConfig::default(),
         }
+    }
+}
+
+/// Bearer tokens, by scope. With no tokens at all (allowed on loopback only) the API is open.
+/// Each value may be given as is, or as `file:/path` or `env:NAME`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Tokens that may run commands (`POST /v1/commands/...`).
+    pub command_tokens: Vec<Secret>,
+    /// Tokens that may use the admin endpoints: `/v1/plugins`, `/v1/status`, `/metrics`.
+    pub admin_tokens: Vec<Secret>,
+}
+
+impl AuthConfig {
+    pub fn enabled(&self) -> bool {
+        !self.command_tokens.is_empty() || !self.admin_tokens.is_empty()
     }
 }
 
@@ -111,6 +136,7 @@ impl Default for HttpConfig {
 pub struct DatabaseConfig {
     /// `postgres://user:password@host:port/db?sslmode=...`. When absent, `obx serve` starts a
     /// throwaway Postgres from the system's binaries (for trying OBX out, not for production).
+    #[serde(serialize_with = "show_database_url")]
     pub url: Option<Secret>,
     pub max_connections: u32,
     /// How long a call waits for a free connection before it is refused with 503.
@@ -185,7 +211,9 @@ pub struct KafkaConfig {
     /// Partitions of the topics OBX creates (`-1`: the brokers' default).
     pub topic_partitions: i32,
     /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
-    /// OBX's own settings. Values are treated as secrets and never shown.
+    /// OBX's own settings. Values are kept as secrets: `obx config check --print` shows
+    /// only those whose names say nothing of passwords, keys, secrets or tokens.
+    #[serde(serialize_with = "show_kafka_properties")]
     pub properties: BTreeMap<String, Secret>,
 }
 
@@ -336,8 +364,10 @@ impl Default for Limits {
     }
 }
 
-/// A configuration value that must never be shown: `Debug` and `Display` print `[redacted]`.
-#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// A configuration value that must never be shown: `Debug`, `Display` and `Serialize` all
+/// give `[redacted]`. In a file or a variable it may be the value itself, `file:/path` (the
+/// file's contents, trimmed) or `env:NAME` (another variable's value).
+#[derive(Clone, Deserialize, PartialEq, Eq)]
 #[serde(transparent)]
 pub struct Secret(String);
 
@@ -349,6 +379,65 @@ impl Secret {
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    /// Replaces a `file:` or `env:` reference by what it refers to.
+    fn resolve(&mut self, key: &str) -> Result<(), ConfigError> {
+        let invalid = |reason: String| ConfigError::Invalid {
+            key: key.to_string(),
+            reason,
+        };
+        if let Some(path) = self.0.strip_prefix("file:") {
+            let value = std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read {path}: {e}")))?;
+            self.0 = value.trim_end_matches(['\n', '\r']).to_string();
+        } else if let Some(name) = self.0.strip_prefix("env:") {
+            self.0 = std::env::var(name).map_err(|_| invalid(format!("the variable {name} is not set")))?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str("[redacted]")
+    }
+}
+
+/// The database URL with its password replaced, for `obx config check --print`.
+fn show_database_url<S: serde::Serializer>(url: &Option<Secret>, serializer: S) -> Result<S::Ok, S::Error> {
+    match url.as_ref().map(|u| url::Url::parse(u.expose())) {
+        None => serializer.serialize_none(),
+        Some(Ok(mut parsed)) => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("REDACTED"));
+            }
+            // Query parameters may carry a password too (`?password=`).
+            if parsed.query_pairs().any(|(k, _)| k.contains("password")) {
+                parsed.set_query(Some("REDACTED"));
+            }
+            serializer.serialize_some(parsed.as_str())
+        }
+        Some(Err(_)) => serializer.serialize_some("[redacted]"),
+    }
+}
+
+/// Kafka properties, with the values of those that may be credentials redacted.
+fn show_kafka_properties<S: serde::Serializer>(
+    properties: &BTreeMap<String, Secret>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut map = serializer.serialize_map(Some(properties.len()))?;
+    for (name, value) in properties {
+        let sensitive = ["password", "secret", "key", "jaas", "token", "credential"]
+            .iter()
+            .any(|word| name.contains(word));
+        if sensitive {
+            map.serialize_entry(name, "[redacted]")?;
+        } else {
+            map.serialize_entry(name, value.expose())?;
+        }
+    }
+    map.end()
 }
 
 impl fmt::Debug for Secret {
@@ -369,7 +458,7 @@ pub enum ConfigError {
     #[error("{0}")]
     Load(String),
     #[error("invalid value for `{key}`: {reason}")]
-    Invalid { key: &'static str, reason: String },
+    Invalid { key: String, reason: String },
 }
 
 impl Config {
@@ -391,16 +480,33 @@ impl Config {
             // Only sectioned names are configuration (`OBX_LIMITS__CALL_DEADLINE`); other
             // OBX_ variables (OBX_CONFIG, OBX_LOG_FORMAT, ...) belong to other parts.
             .merge(Env::prefixed("OBX_").filter(|k| k.as_str().contains("__")).split("__"));
-        let config: Config = figment.extract().map_err(|e| ConfigError::Load(describe(e)))?;
+        let mut config: Config = figment.extract().map_err(|e| ConfigError::Load(describe(e)))?;
+        config.resolve_secrets()?;
         config.validate()?;
         Ok(config)
+    }
+
+    fn resolve_secrets(&mut self) -> Result<(), ConfigError> {
+        if let Some(url) = &mut self.database.url {
+            url.resolve("database.url")?;
+        }
+        for (name, value) in &mut self.kafka.properties {
+            value.resolve(&format!("kafka.properties.{name}"))?;
+        }
+        for (i, token) in self.http.auth.command_tokens.iter_mut().enumerate() {
+            token.resolve(&format!("http.auth.command_tokens[{i}]"))?;
+        }
+        for (i, token) in self.http.auth.admin_tokens.iter_mut().enumerate() {
+            token.resolve(&format!("http.auth.admin_tokens[{i}]"))?;
+        }
+        Ok(())
     }
 
     /// Refuses values that cannot work, naming the key and the reason.
     pub fn validate(&self) -> Result<(), ConfigError> {
         fn invalid(key: &'static str, reason: &str) -> Result<(), ConfigError> {
             Err(ConfigError::Invalid {
-                key,
+                key: key.to_string(),
                 reason: reason.to_string(),
             })
         }
@@ -410,6 +516,34 @@ impl Config {
             if !(u.starts_with("postgres://") || u.starts_with("postgresql://")) {
                 return invalid("database.url", "must start with postgres:// or postgresql://");
             }
+            // sslmode, sslrootcert and the rest are checked here, not at the first connect.
+            // sqlx's message names the parameter, never the password.
+            if let Err(e) = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(u) {
+                return invalid("database.url", &e.to_string());
+            }
+        }
+        let auth = &self.http.auth;
+        if !self.http.listen.ip().is_loopback() {
+            if auth.command_tokens.is_empty() {
+                return invalid(
+                    "http.auth.command_tokens",
+                    "is required when http.listen is not a loopback address",
+                );
+            }
+            if auth.admin_tokens.is_empty() {
+                return invalid(
+                    "http.auth.admin_tokens",
+                    "is required when http.listen is not a loopback address",
+                );
+            }
+        }
+        for token in auth.command_tokens.iter().chain(&auth.admin_tokens) {
+            if token.expose().len() < 16 {
+                return invalid("http.auth", "every token must be at least 16 characters");
+            }
+        }
+        if self.http.shutdown_timeout.is_zero() {
+            return invalid("http.shutdown_timeout", "must be greater than 0");
         }
         if self.database.max_connections < 2 {
             return invalid("database.max_connections", "must be at least 2");
@@ -539,6 +673,116 @@ mod tests {
             jail.set_env("OBX_LIMTS__CALL_DEADLINE", "1s");
             let e = Config::load(None).unwrap_err().to_string();
             assert!(e.contains("limts"), "{e}");
+            Ok(())
+        });
+    }
+
+    /// Every class of bad configuration is refused by `Config::load` (what `serve` and
+    /// `obx config check` run), with a message that names the key.
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API
+    fn each_invalid_class_names_its_key() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("unknown key", "[limits]\ncall_deadlin = \"1s\"", "call_deadlin"),
+            ("unknown section", "[relays]\nenabled = true", "relays"),
+            (
+                "wrong type",
+                "[database]\nmax_connections = \"many\"",
+                "max_connections",
+            ),
+            (
+                "bad duration",
+                "[limits]\ncall_deadline = \"5 parsecs\"",
+                "call_deadline",
+            ),
+            ("bad address", "[http]\nlisten = \"localhost\"", "listen"),
+            ("url scheme", "[database]\nurl = \"mysql://u:pw@h/db\"", "database.url"),
+            (
+                "sslmode",
+                "[database]\nurl = \"postgres://u:pw@h/db?sslmode=sometimes\"",
+                "database.url",
+            ),
+            (
+                "public listen without command tokens",
+                "[http]\nlisten = \"0.0.0.0:8080\"",
+                "http.auth.command_tokens",
+            ),
+            (
+                "public listen without admin tokens",
+                "[http]\nlisten = \"0.0.0.0:8080\"\n[http.auth]\ncommand_tokens = [\"0123456789abcdef0123\"]",
+                "http.auth.admin_tokens",
+            ),
+            ("short token", "[http.auth]\nadmin_tokens = [\"short\"]", "http.auth"),
+            (
+                "secret file missing",
+                "[http.auth]\nadmin_tokens = [\"file:/nonexistent/obx-token\"]",
+                "http.auth.admin_tokens[0]",
+            ),
+            (
+                "secret variable missing",
+                "[kafka.properties]\n\"sasl.password\" = \"env:OBX_TEST_UNSET_VARIABLE\"",
+                "kafka.properties.sasl.password",
+            ),
+            (
+                "zero shutdown bound",
+                "[http]\nshutdown_timeout = \"0s\"",
+                "http.shutdown_timeout",
+            ),
+            (
+                "pool too small",
+                "[database]\nmax_connections = 1",
+                "database.max_connections",
+            ),
+            (
+                "zero statement timeout",
+                "[limits]\nstatement_timeout = \"0s\"",
+                "limits.statement_timeout",
+            ),
+            (
+                "tiny memory cap",
+                "[limits]\nmemory_bytes = 1000",
+                "limits.memory_bytes",
+            ),
+            ("empty batch", "[relay]\nbatch_size = 0", "relay.batch_size"),
+            ("service name", "[service]\nname = \"a b\"", "service.name"),
+        ];
+        for (class, text, key) in cases {
+            figment::Jail::expect_with(|jail| {
+                jail.create_file("obx.toml", text)?;
+                let e = Config::load(Some(Path::new("obx.toml"))).expect_err(class).to_string();
+                assert!(e.contains(key), "{class}: {e:?} does not name {key}");
+                assert!(!e.contains("pw@"), "{class}: the password leaked: {e}");
+                Ok(())
+            });
+        }
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail API
+    fn secrets_come_from_files_and_variables_and_never_print() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("token", "file-token-0123456789\n")?;
+            jail.set_env("OBX_TEST_KAFKA_PASSWORD", "kafka-pass-0123456789");
+            let dir = jail.directory().to_path_buf();
+            jail.create_file(
+                "obx.toml",
+                &format!(
+                    "[database]\nurl = \"postgres://u:db-pass-0123456789@h/db?sslmode=require\"\n\
+                     [kafka.properties]\n\"sasl.password\" = \"env:OBX_TEST_KAFKA_PASSWORD\"\n\
+                     \"security.protocol\" = \"SASL_SSL\"\n\
+                     [http.auth]\ncommand_tokens = [\"file:{}/token\"]\nadmin_tokens = [\"admin-token-0123456789\"]",
+                    dir.display()
+                ),
+            )?;
+            let c = Config::load(Some(Path::new("obx.toml"))).map_err(|e| e.to_string())?;
+            assert_eq!(c.http.auth.command_tokens[0].expose(), "file-token-0123456789");
+            assert_eq!(c.kafka.properties["sasl.password"].expose(), "kafka-pass-0123456789");
+            let shown = format!("{}\n{c:?}", toml::to_string(&c).unwrap());
+            for secret in ["file-token", "kafka-pass", "db-pass", "admin-token"] {
+                assert!(!shown.contains(secret), "{secret} shown:\n{shown}");
+            }
+            assert!(shown.contains("SASL_SSL"), "{shown}");
+            assert!(shown.contains("postgres://u:REDACTED@h/db?sslmode=require"), "{shown}");
             Ok(())
         });
     }

@@ -161,3 +161,60 @@ impl MockBroker {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::producer::BaseProducer;
+
+    use super::*;
+    use crate::config::{KafkaConfig, Secret};
+
+    fn producer_with(properties: &[(&str, &str)]) -> Result<BaseProducer, String> {
+        let mut config = KafkaConfig {
+            brokers: "127.0.0.1:9".into(),
+            ..KafkaConfig::default()
+        };
+        for (k, v) in properties {
+            config.properties.insert(k.to_string(), Secret::new(*v));
+        }
+        let brokers = Brokers::start(&config).map_err(|e| e.to_string())?;
+        brokers.client_config(&config).create().map_err(|e| e.to_string())
+    }
+
+    /// The settings of managed Kafka services are accepted by the librdkafka OBX is built
+    /// with (TLS and SASL compiled in), so a user can point OBX at one.
+    #[test]
+    fn managed_kafka_security_settings_are_supported() {
+        let ca = "/etc/ssl/certs/ca-certificates.crt";
+        let ca_props: &[(&str, &str)] = if std::path::Path::new(ca).exists() {
+            &[("ssl.ca.location", ca)]
+        } else {
+            &[]
+        };
+        for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] {
+            let mut props = vec![
+                ("security.protocol", "SASL_SSL"),
+                ("sasl.mechanisms", mechanism),
+                ("sasl.username", "obx"),
+                ("sasl.password", "secret"),
+            ];
+            props.extend_from_slice(ca_props);
+            producer_with(&props).unwrap_or_else(|e| panic!("{mechanism}: {e}"));
+        }
+        let mut tls = vec![
+            ("security.protocol", "SSL"),
+            ("ssl.endpoint.identification.algorithm", "https"),
+        ];
+        tls.extend_from_slice(ca_props);
+        producer_with(&tls).unwrap();
+        producer_with(&[("security.protocol", "SASL_SSL"), ("sasl.mechanisms", "OAUTHBEARER")]).unwrap();
+    }
+
+    #[test]
+    fn a_bad_kafka_property_is_refused_by_name() {
+        let e = producer_with(&[("security.protocol", "carrier-pigeon")]).err().unwrap();
+        assert!(e.contains("security.protocol"), "{e}");
+        let e = producer_with(&[("no.such.property", "1")]).err().unwrap();
+        assert!(e.contains("no.such.property"), "{e}");
+    }
+}

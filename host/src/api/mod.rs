@@ -1,8 +1,10 @@
-//! The HTTP API (axum): commands, plugin status, health, readiness and metrics.
+//! The HTTP API (axum): commands, plugin status, health, readiness and metrics, behind
+//! bearer tokens by scope (see [`auth`]).
 //!
 //! Invariant: every error response is JSON, `{"error": {"code", "message"}}`, with a stable
 //! `code`; database text and guest internals never reach a client (they go to the log).
 
+mod auth;
 mod commands;
 mod errors;
 
@@ -37,13 +39,20 @@ pub struct AppState {
 }
 
 pub fn router(state: AppState, http: &HttpConfig) -> Router {
-    Router::new()
+    let tokens = auth::Tokens::new(&http.auth);
+    let commands = Router::new()
         .route("/v1/commands/{plugin}/{command}", post(commands::run))
+        .route_layer(axum::middleware::from_fn_with_state(tokens.clone(), auth::commands));
+    let admin = Router::new()
         .route("/v1/plugins", get(plugins))
         .route("/v1/status", get(status))
+        .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
+    Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .merge(commands)
+        .merge(admin)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(http.max_body_bytes))
         .layer(TimeoutLayer::with_status_code(

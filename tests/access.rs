@@ -1,0 +1,184 @@
+//! Who may use the API, and what it never shows: bearer tokens by scope, and secrets kept
+//! out of logs, answers, `/metrics` and `/v1/status`.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use obx::config::Secret;
+use obx_tests::*;
+use serde_json::json;
+
+const COMMAND_TOKEN: &str = "cmd-token-4f1d2c3b5a697887";
+const ADMIN_TOKEN: &str = "adm-token-9e8d7c6b5a4f3e2d";
+const DB_PASSWORD: &str = "db-password-7c1e0b9a";
+const KAFKA_PASSWORD: &str = "kafka-password-3d5f7a9b";
+
+/// Everything any part of this test process logs, at debug level and above.
+fn captured() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("debug"))
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .init();
+        log
+    })
+}
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A host that needs tokens, and the broker it relays to (kept alive by the caller).
+async fn guarded_host() -> (TestHost, TestBroker) {
+    captured();
+    let broker = broker();
+    let database = fresh_database().await;
+    // The test server trusts local connections, so any password gets in: enough to show
+    // where it would travel.
+    let with_password = database.replacen("postgres@", &format!("postgres:{DB_PASSWORD}@"), 1);
+    assert!(
+        with_password.contains(DB_PASSWORD),
+        "{database}: no user to add a password to"
+    );
+    let host = spawn_host_on(&database, &["orders", "testbed"], |c| {
+        broker.configure(c);
+        c.database.url = Some(Secret::new(with_password));
+        c.kafka
+            .properties
+            .insert("sasl.password".into(), Secret::new(KAFKA_PASSWORD));
+        c.http.auth.command_tokens = vec![Secret::new(COMMAND_TOKEN)];
+        c.http.auth.admin_tokens = vec![Secret::new(ADMIN_TOKEN)];
+    })
+    .await;
+    (host, broker)
+}
+
+async fn send(host: &TestHost, method: &str, path: &str, auth: Option<&str>) -> (u16, String, Option<String>) {
+    let client = reqwest::Client::new();
+    let url = format!("{}{path}", host.url);
+    let mut req = match method {
+        "POST" => client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(json!({ "customerId": "c-1", "amount": 5 }).to_string()),
+        _ => client.get(url),
+    };
+    if let Some(auth) = auth {
+        req = req.header("authorization", auth);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    let challenge = r
+        .headers()
+        .get("www-authenticate")
+        .map(|v| v.to_str().unwrap().to_string());
+    (status, r.text().await.unwrap(), challenge)
+}
+
+#[tokio::test]
+async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
+    let (host, _broker) = guarded_host().await;
+    let command = "/v1/commands/orders/CreateOrder";
+    let bearer = |t: &str| format!("Bearer {t}");
+    let wrong = bearer("not-a-token-of-ours-at-all");
+    let (cmd, adm) = (bearer(COMMAND_TOKEN), bearer(ADMIN_TOKEN));
+
+    // (method, path, authorization, expected status)
+    let cases: Vec<(&str, &str, Option<&str>, u16)> = vec![
+        ("POST", command, None, 401),
+        ("POST", command, Some(&wrong), 401),
+        ("POST", command, Some("Basic YWRtaW46YWRtaW4="), 401),
+        ("POST", command, Some(COMMAND_TOKEN), 401), // no scheme
+        ("POST", command, Some("Bearer "), 401),
+        ("POST", command, Some(&adm), 403),
+        ("POST", command, Some(&cmd), 200),
+        ("POST", "/v1/commands/nope/Nope", None, 401), // no hint that the plugin is absent
+        ("GET", "/v1/status", None, 401),
+        ("GET", "/v1/status", Some(&wrong), 401),
+        ("GET", "/v1/status", Some(&cmd), 403),
+        ("GET", "/v1/status", Some(&adm), 200),
+        ("GET", "/v1/plugins", None, 401),
+        ("GET", "/v1/plugins", Some(&cmd), 403),
+        ("GET", "/v1/plugins", Some(&adm), 200),
+        ("GET", "/metrics", None, 401),
+        ("GET", "/metrics", Some(&cmd), 403),
+        ("GET", "/metrics", Some(&adm), 200),
+        ("GET", "/healthz", None, 200),
+        ("GET", "/readyz", None, 200),
+    ];
+    for (method, path, auth, expected) in cases {
+        let (status, body, challenge) = send(&host, method, path, auth).await;
+        assert_eq!(status, expected, "{method} {path} with {auth:?}: {body}");
+        match status {
+            401 => {
+                assert_eq!(challenge.as_deref(), Some("Bearer"), "{method} {path}");
+                let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+                assert_eq!(body["error"]["code"], "unauthorized");
+                assert_eq!(body["error"]["message"], "authentication required");
+            }
+            403 => {
+                let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+                assert_eq!(body["error"]["code"], "forbidden");
+                assert_eq!(body["error"]["message"], "not allowed");
+            }
+            _ => {}
+        }
+    }
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn secrets_never_reach_logs_or_endpoints() {
+    let (host, _broker) = guarded_host().await;
+    let (cmd, adm) = (format!("Bearer {COMMAND_TOKEN}"), format!("Bearer {ADMIN_TOKEN}"));
+    let mut seen = Vec::new();
+    for (method, path, auth) in [
+        ("POST", "/v1/commands/orders/CreateOrder", Some(cmd.as_str())),
+        ("POST", "/v1/commands/testbed/fail", Some(&cmd)),
+        ("POST", "/v1/commands/testbed/sql", Some(&cmd)),
+        ("POST", "/v1/commands/nope/Nope", Some(&cmd)),
+        ("POST", "/v1/commands/orders/CreateOrder", Some(&adm)),
+        (
+            "POST",
+            "/v1/commands/orders/CreateOrder",
+            Some("Bearer wrong-token-0123456789"),
+        ),
+        ("GET", "/v1/status", Some(&adm)),
+        ("GET", "/v1/plugins", Some(&adm)),
+        ("GET", "/metrics", Some(&adm)),
+        ("GET", "/nowhere", Some(&adm)),
+    ] {
+        let (status, body, _) = send(&host, method, path, auth).await;
+        seen.push(format!("{method} {path} -> {status}: {body}"));
+    }
+    // Let the relay publish and log what it does.
+    eventually(std::time::Duration::from_secs(20), "the outbox drains", || async {
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    host.shutdown().await;
+
+    let log = String::from_utf8(captured().lock().unwrap().clone()).unwrap();
+    assert!(log.contains("DEBUG") || log.contains("INFO"), "nothing was captured");
+    let endpoints = seen.join("\n");
+    assert!(endpoints.contains("/v1/status -> 200"), "{endpoints}");
+    assert!(endpoints.contains("/metrics -> 200"), "{endpoints}");
+    for secret in [COMMAND_TOKEN, ADMIN_TOKEN, DB_PASSWORD, KAFKA_PASSWORD] {
+        assert!(!log.contains(secret), "{secret} is in the log");
+        assert!(!endpoints.contains(secret), "{secret} is in an answer:\n{endpoints}");
+    }
+}
