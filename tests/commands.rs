@@ -293,3 +293,52 @@ async fn plugin_migrations_are_recorded_and_a_changed_one_is_refused() {
     assert_eq!(plugins["plugins"][0]["state"], "failed");
     next.shutdown().await;
 }
+
+/// A guest that emits a million events (ignoring every refusal past the limit), or returns
+/// a response of megabytes, or grows its memory without end: each gets a clear error,
+/// nothing it did is committed, and the next call is served.
+#[tokio::test]
+async fn hostile_guests_get_a_clear_error_and_the_host_keeps_serving() {
+    let host = spawn_host(&["testbed"]).await;
+    let flood = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "flood", "count": 1_000_000, "ignore_errors": true }),
+        )
+        .await;
+    // Refused past limits.max_emits_per_call; a slow debug build may reach the deadline
+    // before the guest gives up. Either way nothing is committed.
+    assert!(
+        matches!(
+            (flood.status, flood.code()),
+            (500, "transaction_aborted") | (504, "deadline_exceeded")
+        ),
+        "{}",
+        flood.text
+    );
+    let flooded = host
+        .count("SELECT count(*) FROM obx.outbox_event WHERE aggregate_id LIKE 'flood-%'")
+        .await;
+    assert_eq!(flooded, 0);
+
+    let cases = [
+        // Over limits.max_payload_bytes (1 MiB).
+        (json!({ "id": "big", "bytes": 4 << 20 }), 500, "invalid_response"),
+        // Over the 64 MiB memory cap of the test host: the guest's allocation fails.
+        (json!({ "id": "bigger", "bytes": 200 << 20 }), 500, "memory_limit"),
+    ];
+    for (payload, status, code) in cases {
+        let answer = host.command("testbed", "huge", payload.clone()).await;
+        assert_eq!(
+            (answer.status, answer.code()),
+            (status, code),
+            "{payload}: {}",
+            answer.text
+        );
+        assert!(answer.text.len() < 1024, "the error body carries the response");
+    }
+    let ok = host.command("testbed", "ok", json!({ "id": "after-hostile" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    host.shutdown().await;
+}

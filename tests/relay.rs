@@ -414,3 +414,52 @@ fn which(name: &str) -> Result<std::path::PathBuf, ()> {
         .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(name)).find(|p| p.exists()))
         .ok_or(())
 }
+
+/// Shard locks of each relay connection, as Postgres sees them.
+async fn shard_locks(host: &TestHost) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = 'obx-relay' \
+           AND a.datname = current_database() AND l.objsubid = 2 \
+           AND l.classid = 1868724225 \
+         GROUP BY l.pid ORDER BY 1",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap()
+}
+
+/// Relays that join one after another share the 64 shards out evenly: each relay ends with
+/// its fair share (or a little less), and all 64 are held. (`relay::tests` checks the
+/// double-lock case the fault suite found, where a relay kept shards it believed released.)
+#[tokio::test]
+async fn relays_that_join_later_get_their_fair_share_of_shards() {
+    let broker = broker();
+    let first = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
+    let url = first.database_url.clone();
+    let mut hosts = vec![first];
+    for n in 2..=4usize {
+        hosts.push(obx_tests::spawn_host_on(&url, &["testbed"], |c| broker.configure(c)).await);
+        let fair = 64usize.div_ceil(n) as i64;
+        let mut last = Vec::new();
+        let settled = tokio::time::timeout(Duration::from_secs(15), async {
+            loop {
+                last = shard_locks(&hosts[0]).await;
+                // Every relay holds its fair share or one less, and all 64 are held.
+                let total: i64 = last.iter().sum();
+                if last.len() == n && total == 64 && last.iter().all(|c| *c <= fair && *c >= fair - n as i64) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await;
+        assert!(
+            settled.is_ok(),
+            "{n} relays: shard locks per relay {last:?} (fair {fair})"
+        );
+    }
+    for host in hosts {
+        host.shutdown().await;
+    }
+}

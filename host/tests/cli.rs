@@ -59,6 +59,18 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("notes.wasm");
     std::fs::write(&text, "this is not wasm").unwrap();
+    let random = dir.path().join("random.wasm");
+    // Random bytes (a fixed xorshift stream, so a failure reproduces).
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let bytes: Vec<u8> = (0..64 * 1024)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(&random, bytes).unwrap();
     let core = dir.path().join("core.wasm");
     // The smallest valid core module: magic and version 1.
     std::fs::write(&core, b"\0asm\x01\0\0\0").unwrap();
@@ -68,6 +80,7 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
 
     for (file, expected) in [
         (text, "not a WebAssembly file"),
+        (random, "not a WebAssembly file"),
         (core, "core WebAssembly module, not a component"),
         (truncated, "failed to compile"),
         (plugin("other_world"), "does not fit the obx:plugin/plugin@0.1.0 world"),

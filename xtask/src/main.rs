@@ -4,6 +4,8 @@
 //!   `DATABASE_URL`, the host starts a throwaway Postgres.
 //! * `test` — builds the plugins and runs the whole test suite.
 //! * `plugins` — builds the plugins only.
+//! * `bench` — the benchmarks (docs/benchmarks.md).
+//! * `chaos` — the fault-injection suite (docs/reliability.md).
 //!
 //! Each first makes sure what it needs is installed: the `wasm32-wasip2` target, and the
 //! Postgres server binaries (from the system's packages, when missing).
@@ -43,6 +45,12 @@ enum Task {
     /// Run the benchmarks (release build); see docs/benchmarks.md.
     Bench {
         /// Arguments passed on to obx-bench, e.g. `relay --rows 100000`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Run the fault-injection suite (release build); see docs/reliability.md.
+    Chaos {
+        /// Arguments passed on to obx-chaos, e.g. `--kills 40 --report chaos.md`.
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -95,6 +103,29 @@ fn main() -> Result<()> {
                 run(&mut cmd)?;
             }
             Ok(())
+        }
+        Task::Chaos { args } => {
+            ensure_postgres()?;
+            let plugins = build_plugins(&root)?;
+            // One build for both binaries: the same features, so nothing is built twice.
+            run(cargo().current_dir(&root).args([
+                "build",
+                "--release",
+                "--package",
+                "obx",
+                "--package",
+                "obx-tests",
+                "--bin",
+                "obx",
+                "--bin",
+                "obx-chaos",
+            ]))?;
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(|d| root.join(d))
+                .unwrap_or_else(|| root.join("target"));
+            let mut cmd = Command::new(target.join("release/obx-chaos"));
+            cmd.current_dir(&root).args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
+            run(&mut cmd)
         }
         Task::Run { release, args } => {
             ensure_postgres()?;

@@ -20,6 +20,8 @@ pub struct EmbeddedPostgres {
     port: u16,
     pid: u32,
     bindir: PathBuf,
+    settings: Vec<(String, String)>,
+    run_as: Option<(u32, u32)>,
 }
 
 impl EmbeddedPostgres {
@@ -51,37 +53,26 @@ impl EmbeddedPostgres {
         }
 
         let port = free_port()?;
-        let mut server = Command::new(bindir.join("postgres"));
-        server
-            .arg("-D")
-            .arg(&data)
-            .arg("-p")
-            .arg(port.to_string())
-            .arg("-k")
-            .arg(dir.path())
-            .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
-            .args(["-c", "full_page_writes=off", "-c", "max_connections=200"]);
-        for (name, value) in settings {
-            server.arg("-c").arg(format!("{name}={value}"));
-        }
-        server.stdin(Stdio::null()).stdout(Stdio::null());
-        server.stderr(std::fs::File::create(dir.path().join("server.log"))?);
-        if let Some((uid, gid)) = run_as {
-            server.uid(uid).gid(gid);
-        }
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            server.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let pid = spawn_from_keeper_thread(server)?;
-        let pg = EmbeddedPostgres { dir, port, pid, bindir };
+        let settings: Vec<(String, String)> = settings.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let pid = spawn_server(&bindir, dir.path(), port, &settings, run_as)?;
+        let pg = EmbeddedPostgres {
+            dir,
+            port,
+            pid,
+            bindir,
+            settings,
+            run_as,
+        };
         pg.wait_ready(Duration::from_secs(30))?;
         Ok(pg)
+    }
+
+    /// Stops the server (fast shutdown: sessions are cut, open transactions roll back) and
+    /// starts it again on the same data and port. For fault tests.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        self.pid = spawn_server(&self.bindir, self.dir.path(), self.port, &self.settings, self.run_as)?;
+        self.wait_ready(Duration::from_secs(30))
     }
 
     /// The URL of database `db` on this cluster, as the `postgres` superuser.
@@ -167,6 +158,47 @@ fn reap_stale_dirs() {
             let _ = std::fs::remove_dir_all(&path);
         }
     }
+}
+
+fn spawn_server(
+    bindir: &Path,
+    dir: &Path,
+    port: u16,
+    settings: &[(String, String)],
+    run_as: Option<(u32, u32)>,
+) -> Result<u32> {
+    let mut server = Command::new(bindir.join("postgres"));
+    server
+        .arg("-D")
+        .arg(dir.join("data"))
+        .arg("-p")
+        .arg(port.to_string())
+        .arg("-k")
+        .arg(dir)
+        .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+        .args(["-c", "full_page_writes=off", "-c", "max_connections=200"]);
+    for (name, value) in settings {
+        server.arg("-c").arg(format!("{name}={value}"));
+    }
+    server.stdin(Stdio::null()).stdout(Stdio::null());
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("server.log"))?;
+    server.stderr(log);
+    if let Some((uid, gid)) = run_as {
+        server.uid(uid).gid(gid);
+    }
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        server.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    spawn_from_keeper_thread(server)
 }
 
 /// Spawns `cmd` from a thread that lives exactly as long as the child, and reaps it.

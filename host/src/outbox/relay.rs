@@ -548,10 +548,13 @@ async fn rebalance(conn: &mut PgConnection, held: &mut BTreeSet<i32>, busy: &Has
         }
     } else if held.len() < fair {
         let mine: Vec<i32> = held.iter().copied().collect();
-        // The LIMIT stops the scan, so exactly the returned shards were locked.
+        // The LIMIT stops the scan, so exactly the returned shards were locked. The CASE
+        // fixes the order of evaluation: with a plain AND the planner may run the (cheaper)
+        // lock first, which takes a held shard's lock a second time (session locks count),
+        // and one unlock would then no longer release it.
         let got: Vec<i32> = sqlx::query_scalar(
             "SELECT s FROM generate_series(0, $3 - 1) AS s \
-             WHERE NOT (s = ANY($2)) AND pg_try_advisory_lock($1, s) \
+             WHERE CASE WHEN s = ANY($2) THEN false ELSE pg_try_advisory_lock($1, s) END \
              LIMIT $4",
         )
         .bind(SHARD_LOCK)
@@ -610,4 +613,63 @@ async fn notifier_connection(database_url: &str) -> Option<PgConnection> {
         .application_name("obx-notifier")
         .options([("synchronous_commit", "off")]);
     PgConnection::connect_with(&options).await.ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::embedded::EmbeddedPostgres;
+
+    /// Shards whose lock this session really holds, as Postgres sees them.
+    async fn locked(conn: &mut PgConnection) -> BTreeSet<i32> {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND pid = pg_backend_pid() AND classid = $1::oid AND objsubid = 2",
+        )
+        .bind(SHARD_LOCK as i64)
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s as i32)
+        .collect()
+    }
+
+    async fn member(url: &str) -> PgConnection {
+        let mut conn = PgConnection::connect(url).await.unwrap();
+        join(&mut conn).await.unwrap();
+        conn
+    }
+
+    /// A relay that takes shards while it already holds some, and later gives shards up,
+    /// really releases them: what it believes it holds is what Postgres says it holds.
+    /// (Postgres may evaluate the lock before the "not already mine" test; a session lock
+    /// taken twice needs two unlocks.)
+    #[tokio::test]
+    async fn what_a_relay_believes_it_holds_is_what_it_holds() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let url = pg.url("postgres");
+        let none = HashSet::new();
+        let (mut a, mut b) = (member(&url).await, member(&url).await);
+        let (mut held_a, mut held_b) = (BTreeSet::new(), BTreeSet::new());
+        rebalance(&mut a, &mut held_a, &none).await.unwrap();
+        rebalance(&mut b, &mut held_b, &none).await.unwrap();
+        assert_eq!((held_a.len(), held_b.len()), (32, 32));
+        // B leaves: A takes the rest while holding its own 32.
+        b.close().await.unwrap();
+        rebalance(&mut a, &mut held_a, &none).await.unwrap();
+        assert_eq!(held_a.len(), 64);
+        assert_eq!(locked(&mut a).await, held_a);
+        // Two more join: A gives up to its fair share, and the others get the rest.
+        let (mut c, mut d) = (member(&url).await, member(&url).await);
+        let (mut held_c, mut held_d) = (BTreeSet::new(), BTreeSet::new());
+        for _ in 0..2 {
+            rebalance(&mut a, &mut held_a, &none).await.unwrap();
+            rebalance(&mut c, &mut held_c, &none).await.unwrap();
+            rebalance(&mut d, &mut held_d, &none).await.unwrap();
+        }
+        assert_eq!(locked(&mut a).await, held_a, "A holds locks it gave up");
+        assert_eq!(held_a.len(), 22);
+        assert_eq!(held_c.len() + held_d.len(), 42, "C {held_c:?} D {held_d:?}");
+    }
 }

@@ -41,6 +41,12 @@ pub fn spawn(
     let (tx, mut rx) = mpsc::unbounded_channel::<PathBuf>();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
         Ok(event) => {
+            // Reading a file changes nothing. Without this, hosts that share a directory
+            // wake each other forever: each load reads the file, and each read is an event.
+            use notify::event::{AccessKind, AccessMode, EventKind};
+            if matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write)) {
+                return;
+            }
             for path in event.paths {
                 let _ = tx.send(path);
             }

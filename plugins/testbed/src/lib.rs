@@ -31,6 +31,8 @@ impl Guest for Testbed {
                 "emit",
                 "counter",
                 "respond",
+                "huge",
+                "sequenced",
             ]
             .into_iter()
             .map(String::from)
@@ -76,6 +78,12 @@ impl Guest for Testbed {
             "sql" => return run_sql(&p),
             "emit" => return emit_many(&id, &p),
             "respond" => return Ok(p["body"].as_str().unwrap_or("").to_string()),
+            // A response of `bytes` bytes, built in the guest.
+            "huge" => {
+                let n = p["bytes"].as_u64().unwrap_or(0) as usize;
+                return Ok(format!("\"{}\"", "x".repeat(n.saturating_sub(2))));
+            }
+            "sequenced" => return sequenced(&p),
             _ => {}
         }
         write_and_emit(&id)?;
@@ -160,6 +168,32 @@ fn write_and_emit(id: &str) -> Result<(), HandlerError> {
         partition_key: None,
     })?;
     Ok(())
+}
+
+/// The fault suite's command: takes the next number of `key` (under the counter's row lock,
+/// so numbers commit in order), and emits it keyed by `key`. With `"fail": true` it fails
+/// after emitting, so nothing of it may ever be seen.
+fn sequenced(p: &Value) -> Result<String, HandlerError> {
+    let key = p["key"].as_str().ok_or_else(|| invalid("key is required"))?;
+    let rows = query(
+        "INSERT INTO counters (name, n) VALUES ($1, 1) \
+         ON CONFLICT (name) DO UPDATE SET n = counters.n + 1 RETURNING n",
+        &[SqlValue::Text(format!("seq:{key}"))],
+    )?;
+    let seq = rows.value(0, "n").and_then(SqlValue::as_int).unwrap_or(-1);
+    emit(&OutboxEvent {
+        event_id: None,
+        aggregate_type: "Sequence".into(),
+        aggregate_id: key.into(),
+        event_type: "Sequenced".into(),
+        payload: json!({ "key": key, "seq": seq, "nonce": p["nonce"] }).to_string(),
+        topic: "testbed.events".into(),
+        partition_key: Some(key.into()),
+    })?;
+    if p["fail"] == true {
+        return Err(HandlerError::Failed("asked to fail after emitting".into()));
+    }
+    Ok(json!({ "key": key, "seq": seq }).to_string())
 }
 
 fn recurse(n: u64) -> u64 {
@@ -294,7 +328,10 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             Ok(_) => emitted += 1,
             Err(e) => {
                 error = json!(format!("{e:?}"));
-                break;
+                // A hostile guest keeps trying; a polite one stops at the first refusal.
+                if p["ignore_errors"] != true {
+                    break;
+                }
             }
         }
     }
