@@ -1,6 +1,10 @@
 //! `obx-bench`: OBX's benchmarks, each next to its ceiling, measured in one run on one
-//! machine. Run them with `cargo xtask bench` (release build).
+//! machine. `cargo xtask bench` (release build) runs `report`: every suite, then writes
+//! `docs/benchmarks.md` and its charts (`docs/bench/*.svg`).
 //!
+//! * `commands` — commands/s through the Wasm handler, next to the same logic as a native
+//!   Rust handler in the same transaction, and next to pgbench running the same SQL.
+//! * `rss` — the host's resident memory with no plugin and with ten.
 //! * `relay` — the relay's drain rate over 100,000 stored rows, next to raw rdkafka
 //!   producing the same messages to the same broker; commit-to-ack latency at a fixed event
 //!   rate; and command throughput with the relay running and without it.
@@ -19,6 +23,35 @@ use obx::outbox::relay::{OutboxRow, OUTBOX_ROW_COLUMNS};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
 use sqlx::PgPool;
+
+mod chart;
+
+/// What the suites print, kept for the report.
+static REPORT: std::sync::Mutex<Report> = std::sync::Mutex::new(Report {
+    markdown: String::new(),
+    comparisons: Vec::new(),
+});
+
+struct Report {
+    markdown: String,
+    comparisons: Vec<chart::Comparison>,
+}
+
+/// Prints a line and keeps it for the report.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        let line = format!($($arg)*);
+        println!("{line}");
+        let mut report = REPORT.lock().unwrap();
+        report.markdown.push_str(&line);
+        report.markdown.push('\n');
+    }};
+}
+
+/// Records a figure next to its ceiling, for the summary table and a chart.
+fn compare(comparison: chart::Comparison) {
+    REPORT.lock().unwrap().comparisons.push(comparison);
+}
 
 #[derive(Parser)]
 struct Cli {
@@ -47,6 +80,21 @@ enum Bench {
         #[arg(long, default_value_t = 50_000)]
         events: u32,
     },
+    /// Every suite, then docs/benchmarks.md and docs/bench/*.svg.
+    Report {
+        /// Where to write the report.
+        #[arg(long, default_value = "docs/benchmarks.md")]
+        out: std::path::PathBuf,
+    },
+    /// Commands/s: the Wasm handler, the same logic natively, and pgbench with the same SQL.
+    Commands {
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+    },
+    /// Resident memory of `obx serve` with no plugin and with ten.
+    Rss,
     /// Relay drain rate, commit-to-ack latency, and the relay's cost to command throughput.
     Relay {
         /// Rows to drain.
@@ -68,6 +116,9 @@ fn main() -> Result<()> {
     rt.block_on(async {
         match cli.bench {
             Bench::Relay { rows, rate, duration } => relay(rows, rate, duration).await,
+            Bench::Report { out } => report(&out).await,
+            Bench::Commands { duration, clients } => commands(duration, clients).await,
+            Bench::Rss => rss().await,
             Bench::Consume { events } => consume(events).await,
             Bench::Reload => reload().await,
             Bench::Latency {
@@ -118,9 +169,9 @@ impl Env {
 
 async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
     let env = Env::start()?;
-    println!("# Relay benchmark\n");
-    println!("machine: {}", machine());
-    println!(
+    out!("# Relay benchmark\n");
+    out!("machine: {}", machine());
+    out!(
         "broker: {}\n",
         if env.broker.mock.is_some() {
             "librdkafka mock cluster (in process)"
@@ -190,15 +241,22 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
     let _ = task.await;
     let relay_rate = rows as f64 / drain.as_secs_f64();
     let raw_rate = rows as f64 / raw.as_secs_f64();
-    println!("## Drain of {rows} stored rows\n");
-    println!("| | events/s | time |");
-    println!("| --- | ---: | ---: |");
-    println!(
+    out!("## Drain of {rows} stored rows\n");
+    out!("| | events/s | time |");
+    out!("| --- | ---: | ---: |");
+    out!(
         "| raw rdkafka produce (ceiling) | {raw_rate:.0} | {:.2} s |",
         raw.as_secs_f64()
     );
-    println!("| OBX relay | {relay_rate:.0} | {:.2} s |", drain.as_secs_f64());
-    println!("| ratio | {:.2} | |\n", relay_rate / raw_rate);
+    out!("| OBX relay | {relay_rate:.0} | {:.2} s |", drain.as_secs_f64());
+    out!("| ratio | {:.2} | |\n", relay_rate / raw_rate);
+    compare(chart::Comparison::new(
+        "relay-drain",
+        "Relay drain rate",
+        "events/s",
+        ("raw rdkafka produce", raw_rate),
+        vec![("OBX relay".into(), relay_rate)],
+    ));
     pool.close().await;
 
     // 2. Command throughput without the relay and with it, then latency at a fixed rate.
@@ -228,23 +286,23 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
         v[v.len() / 2]
     };
     let results = [median(&mut off), median(&mut on)];
-    println!(
+    out!(
         "## Command throughput (CreateOrder, 16 concurrent clients, 3 runs of {:?} each, medians)\n",
         duration / 3
     );
-    println!("| | commands/s | runs |");
-    println!("| --- | ---: | --- |");
-    println!(
+    out!("| | commands/s | runs |");
+    out!("| --- | ---: | --- |");
+    out!(
         "| relay off | {:.0} | {} |",
         results[0],
         off.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(", ")
     );
-    println!(
+    out!(
         "| relay on | {:.0} | {} |",
         results[1],
         on.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(", ")
     );
-    println!("| change | {:+.1} % | |\n", (results[1] / results[0] - 1.0) * 100.0);
+    out!("| change | {:+.1} % | |\n", (results[1] / results[0] - 1.0) * 100.0);
 
     let url = env.database().await?;
     let config = env.config(&url, plugins.path());
@@ -265,10 +323,10 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
     let q = |quantile: &str| -> f64 {
         quantile_of(&rendered, "obx_outbox_commit_to_ack_seconds", quantile).unwrap_or(f64::NAN) * 1000.0
     };
-    println!("## Commit-to-ack latency at {rate} events/s for {duration:?} ({sent} commands)\n");
-    println!("| p50 | p90 | p99 | p99.9 | max |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
-    println!(
+    out!("## Commit-to-ack latency at {rate} events/s for {duration:?} ({sent} commands)\n");
+    out!("| p50 | p90 | p99 | p99.9 | max |");
+    out!("| ---: | ---: | ---: | ---: | ---: |");
+    out!(
         "| {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
         q("0.5"),
         q("0.9"),
@@ -285,8 +343,8 @@ async fn consume(events: u32) -> Result<()> {
     use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
     let env = Env::start()?;
-    println!("# Consumption benchmark\n");
-    println!("machine: {}\n", machine());
+    out!("# Consumption benchmark\n");
+    out!("machine: {}\n", machine());
     let topics = ["testbed.events", "testbed.inbox"];
     if let Some(mock) = &env.broker.mock {
         for t in topics {
@@ -352,16 +410,23 @@ async fn consume(events: u32) -> Result<()> {
         rates.push((mode, (events - 1) as f64 / span));
     }
     host.shutdown().await?;
-    println!("## {events} events, 100 keys, 8 partitions; the handler inserts one row per event\n");
-    println!("| | events/s | ratio to raw |");
-    println!("| --- | ---: | ---: |");
-    println!("| raw rdkafka consume (ceiling) | {raw_rate:.0} | 1.00 |");
-    for (mode, rate) in rates {
-        println!(
+    out!("## {events} events, 100 keys, 8 partitions; the handler inserts one row per event\n");
+    out!("| | events/s | ratio to raw |");
+    out!("| --- | ---: | ---: |");
+    out!("| raw rdkafka consume (ceiling) | {raw_rate:.0} | 1.00 |");
+    for (mode, rate) in &rates {
+        out!(
             "| OBX consume + {mode} + handler | {rate:.0} | {:.3} |",
             rate / raw_rate
         );
     }
+    compare(chart::Comparison::new(
+        "consume",
+        "Consume, then dedup or inbox, then the handler",
+        "events/s",
+        ("raw rdkafka consume", raw_rate),
+        rates.iter().map(|(m, r)| (format!("OBX {m}"), *r)).collect(),
+    ));
     Ok(())
 }
 
@@ -388,10 +453,21 @@ async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> 
     let q = |quantile: &str| {
         quantile_of(&rendered, "obx_outbox_commit_to_ack_seconds", quantile).unwrap_or(f64::NAN) * 1000.0
     };
-    println!("## Commit-to-ack latency at {rate} events/s: {commands} commands/s of {per_command} events, {duration:?} ({sent} commands)\n");
-    println!("| p50 | p90 | p99 | p99.9 | max |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
-    println!(
+    out!("## Commit-to-ack latency at {rate} events/s: {commands} commands/s of {per_command} events, {duration:?} ({sent} commands)\n");
+    compare(chart::Comparison::plain(
+        "latency",
+        &format!("Commit-to-ack latency at {rate} events/s"),
+        "ms",
+        vec![
+            ("p50".into(), q("0.5")),
+            ("p90".into(), q("0.9")),
+            ("p99".into(), q("0.99")),
+            ("max".into(), q("1")),
+        ],
+    ));
+    out!("| p50 | p90 | p99 | p99.9 | max |");
+    out!("| ---: | ---: | ---: | ---: | ---: |");
+    out!(
         "| {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
         q("0.5"),
         q("0.9"),
@@ -417,13 +493,14 @@ async fn wait_published(pool: &PgPool) -> Result<()> {
 
 async fn reload() -> Result<()> {
     let env = Env::start()?;
-    println!("# Hot reload benchmark\n");
-    println!("machine: {}\n", machine());
-    println!("From the atomic rename into the watched directory to the first command answered by the");
-    println!("new version (debounce: 50 ms). \"Compiled\": an empty compile cache; \"from the cache\": the");
-    println!("same file again after a delete.\n");
-    println!("| plugin | language | size | compiled | from the cache |");
-    println!("| --- | --- | ---: | ---: | ---: |");
+    out!("# Hot reload benchmark\n");
+    out!("machine: {}\n", machine());
+    out!("From the atomic rename into the watched directory to the first command answered by the");
+    out!("new version (debounce: 50 ms). \"Compiled\": an empty compile cache; \"from the cache\": the");
+    out!("same file again after a delete.\n");
+    let mut reloads = Vec::new();
+    out!("| plugin | language | size | compiled | from the cache |");
+    out!("| --- | --- | ---: | ---: | ---: |");
     for (component, language, plugin, command, body) in [
         ("orders", "Rust", "orders", "CreateOrder", json!({})),
         ("shipping", "Python", "shipping", "GetShipment", json!({})),
@@ -473,14 +550,22 @@ async fn reload() -> Result<()> {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
-        println!(
+        out!(
             "| {plugin} | {language} | {:.1} MB | {:.2} s | {:.3} s |",
             size as f64 / 1e6,
             times[0].as_secs_f64(),
             times[1].as_secs_f64()
         );
+        reloads.push((format!("{language}, compiled"), times[0].as_secs_f64()));
+        reloads.push((format!("{language}, from the cache"), times[1].as_secs_f64()));
         host.shutdown().await?;
     }
+    compare(chart::Comparison::plain(
+        "reload",
+        "Hot reload: rename to first answer",
+        "s",
+        reloads,
+    ));
     Ok(())
 }
 
@@ -625,3 +710,436 @@ fn machine() -> String {
         .unwrap_or(0);
     format!("{cpus} CPUs ({model}), {:.0} GiB RAM", mem as f64 / 1024.0 / 1024.0)
 }
+
+/// The handler's statements, as the dispatcher runs them around a call: into the plugin's
+/// role, schema and timeouts; the insert; back to the host; the outbox row.
+const ENTER_PLUGIN: &str = "SELECT set_config('role', $1, true), set_config('search_path', $2, true), \
+     set_config('statement_timeout', '2000ms', true), set_config('lock_timeout', '1000ms', true), \
+     set_config('idle_in_transaction_session_timeout', '9000ms', true)";
+const INSERT_ORDER: &str = "INSERT INTO orders (id, customer_id, amount, status, items) \
+     VALUES (COALESCE($1, gen_random_uuid()), $2, $3, 'pending', $4) ON CONFLICT (id) DO NOTHING RETURNING id";
+const LEAVE_PLUGIN: &str =
+    "SELECT set_config('role', 'none', true), set_config('search_path', '\"$user\", public', true)";
+const INSERT_EVENT: &str =
+    "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, \
+     topic, partition_key, plugin_name, plugin_version) \
+     VALUES ($1, 'Order', $2, 'OrderCreated', $3, 'order.events', $2, 'orders', '0.1.0')";
+
+/// Commands/s three ways, on one database: pgbench running the handler's SQL (the ceiling),
+/// the same logic as native Rust in the host's transaction shape, and the orders plugin's
+/// Wasm handler through the dispatcher (no HTTP in any of them; relay and consumers off).
+async fn commands(duration: Duration, clients: usize) -> Result<()> {
+    let env = Env::start()?;
+    let plugins = tempfile::tempdir()?;
+    std::fs::copy(obx_tests::plugin("orders"), plugins.path().join("orders.wasm"))?;
+    let url = env.database().await?;
+    let mut config = env.config(&url, plugins.path());
+    config.relay.enabled = false;
+    config.consumer.enabled = false;
+    let host = obx::app::start(config).await?;
+    let pool = PgPool::connect(&url).await?;
+    let (schema, role): (String, String) =
+        sqlx::query_as("SELECT schema_name, role_name FROM obx.plugin WHERE name = 'orders'")
+            .fetch_one(&pool)
+            .await?;
+    let truncate = format!("TRUNCATE \"{schema}\".orders, obx.outbox_event CASCADE");
+
+    sqlx::query(&truncate).execute(&pool).await?;
+    let pgbench = run_pgbench(&env, &url, &schema, &role, clients, duration).await?;
+    sqlx::query(&truncate).execute(&pool).await?;
+    let native = native_orders(&url, &schema, &role, clients, duration).await?;
+    sqlx::query(&truncate).execute(&pool).await?;
+    let wasm = wasm_orders(&host, clients, duration).await?;
+    host.shutdown().await?;
+
+    out!("## Command throughput: CreateOrder, {clients} concurrent callers, {duration:?} each, no HTTP\n");
+    out!("| | commands/s | ratio to pgbench |");
+    out!("| --- | ---: | ---: |");
+    out!("| pgbench, the same SQL (ceiling) | {pgbench:.0} | 1.00 |");
+    out!(
+        "| native Rust handler, the host's transaction shape | {native:.0} | {:.2} |",
+        native / pgbench
+    );
+    out!(
+        "| Wasm handler (orders plugin) through the dispatcher | {wasm:.0} | {:.2} |",
+        wasm / pgbench
+    );
+    out!(
+        "\nThe cost of Wasm is the gap between the last two rows: {:.0} % of the native rate.\n",
+        (1.0 - wasm / native) * 100.0
+    );
+    compare(chart::Comparison::new(
+        "commands",
+        "CreateOrder commands",
+        "commands/s",
+        ("pgbench, same SQL", pgbench),
+        vec![("native Rust handler".into(), native), ("Wasm handler".into(), wasm)],
+    ));
+    Ok(())
+}
+
+async fn run_pgbench(
+    env: &Env,
+    url: &str,
+    schema: &str,
+    role: &str,
+    clients: usize,
+    duration: Duration,
+) -> Result<f64> {
+    let script = tempfile::NamedTempFile::new()?;
+    let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
+    std::fs::write(
+        script.path(),
+        format!(
+            "BEGIN;\n\
+             SELECT set_config('role', '{role}', true), set_config('search_path', '\"{schema}\"', true), \
+             set_config('statement_timeout', '2000ms', true), set_config('lock_timeout', '1000ms', true), \
+             set_config('idle_in_transaction_session_timeout', '9000ms', true);\n\
+             INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
+             ON CONFLICT (id) DO NOTHING RETURNING id;\n\
+             {LEAVE_PLUGIN};\n\
+             INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, \
+             plugin_name, plugin_version) VALUES (gen_random_uuid(), 'Order', 'o', 'OrderCreated', '{payload}', \
+             'order.events', 'o', 'orders', '0.1.0');\n\
+             COMMIT;\n"
+        ),
+    )?;
+    let bindir = obx::db::embedded::find_bindir()?;
+    let database = url.rsplit('/').next().unwrap_or("postgres").to_string();
+    let mut cmd = std::process::Command::new(bindir.join("pgbench"));
+    cmd.args(["-n", "-M", "prepared", "-j", "2", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(["-p", &env.pg.port().to_string(), "-c", &clients.to_string()])
+        .args(["-T", &duration.as_secs().max(1).to_string(), "-f"])
+        .arg(script.path())
+        .arg(&database);
+    let out = tokio::task::spawn_blocking(move || cmd.output()).await??;
+    let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "pgbench failed: {}{}",
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no tps in pgbench's output: {text}"))
+}
+
+/// The orders handler's logic in native Rust, in the transaction shape the host gives a
+/// Wasm handler.
+async fn native_orders(url: &str, schema: &str, role: &str, clients: usize, duration: Duration) -> Result<f64> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(clients as u32)
+        .connect(url)
+        .await?;
+    let search_path = format!("\"{schema}\"");
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in 0..clients {
+        let (pool, role, search_path) = (pool.clone(), role.to_string(), search_path.clone());
+        tasks.spawn(async move {
+            let mut done = 0u64;
+            while started.elapsed() < duration {
+                let input: serde_json::Value =
+                    serde_json::from_str(&json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string())?;
+                let customer = input["customerId"].as_str().unwrap_or_default().to_string();
+                let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
+                let mut tx = pool.begin().await?;
+                sqlx::query(ENTER_PLUGIN)
+                    .bind(&role)
+                    .bind(&search_path)
+                    .execute(&mut *tx)
+                    .await?;
+                let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
+                    .bind(None::<uuid::Uuid>)
+                    .bind(&customer)
+                    .bind(&amount)
+                    .bind(json!([]))
+                    .fetch_one(&mut *tx)
+                    .await?;
+                sqlx::query(LEAVE_PLUGIN).execute(&mut *tx).await?;
+                let payload = json!({
+                    "orderId": id.to_string(), "customerId": customer,
+                    "amount": amount.to_string(), "status": "pending", "items": [],
+                });
+                sqlx::query(INSERT_EVENT)
+                    .bind(uuid::Uuid::new_v4())
+                    .bind(id.to_string())
+                    .bind(payload)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                done += 1;
+            }
+            anyhow::Ok(done)
+        });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r??;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// CreateOrder through the dispatcher: a fresh Store per call, the Wasm handler, the
+/// host's transaction.
+async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration) -> Result<f64> {
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in 0..clients {
+        let dispatcher = host.dispatcher.clone();
+        tasks.spawn(async move {
+            let mut done = 0u64;
+            while started.elapsed() < duration {
+                let request = obx::dispatch::CommandRequest {
+                    plugin: "orders".into(),
+                    command: "CreateOrder".into(),
+                    payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
+                    idempotency_key: None,
+                    request_id: String::new(),
+                    parent_trace: None,
+                };
+                dispatcher
+                    .run_command(request)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("CreateOrder: {e}"))?;
+                done += 1;
+            }
+            anyhow::Ok(done)
+        });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r??;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The ten plugins of the memory figure: the examples, the test plugins, and copies of
+/// `hotswap` built under other names by `cargo xtask bench`.
+const TEN_PLUGINS: [&str; 10] = [
+    "orders",
+    "inventory",
+    "payments",
+    "shipping",
+    "notifications",
+    "testbed",
+    "hotswap",
+    "bench_extra_a",
+    "bench_extra_b",
+    "bench_extra_c",
+];
+
+/// Resident memory of an `obx serve` process (release build), started from a warm compile
+/// cache, after one command: with no plugin, and with ten.
+async fn rss() -> Result<()> {
+    let obx = std::env::current_exe()?.with_file_name("obx");
+    anyhow::ensure!(
+        obx.exists(),
+        "{} is missing: `cargo xtask bench` builds it",
+        obx.display()
+    );
+    let env = Env::start()?;
+    let mut figures = Vec::new();
+    for count in [0usize, 10] {
+        let dir = tempfile::tempdir()?;
+        for name in &TEN_PLUGINS[..count] {
+            std::fs::copy(obx_tests::plugin(name), dir.path().join(format!("{name}.wasm")))?;
+        }
+        let cache = tempfile::tempdir()?;
+        let url = env.database().await?;
+        let mut measured = (0, 0);
+        // The first start fills the compile cache; the second is measured.
+        for _ in 0..2 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            let mut child = std::process::Command::new(&obx)
+                .arg("serve")
+                .env_remove("OBX_CONFIG")
+                .env("RUST_LOG", "warn")
+                .env("DATABASE_URL", &url)
+                .env("OBX_KAFKA__BROKERS", &env.broker.bootstrap)
+                .env("OBX_KAFKA__CREATE_TOPICS", env.broker.mock.is_none().to_string())
+                .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+                .env("OBX_PLUGINS__DIR", dir.path())
+                .env("OBX_PLUGINS__CACHE_DIR", cache.path())
+                .stderr(std::process::Stdio::null())
+                .spawn()?;
+            let client = reqwest::Client::new();
+            let base = format!("http://127.0.0.1:{port}");
+            let started = Instant::now();
+            loop {
+                if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
+                    if r.status() == 200 {
+                        break;
+                    }
+                }
+                anyhow::ensure!(
+                    started.elapsed() < Duration::from_secs(300),
+                    "obx serve did not become ready"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if count > 0 {
+                let r = client
+                    .post(format!("{base}/v1/commands/orders/CreateOrder"))
+                    .json(&json!({ "customerId": "c-1", "amount": 10 }))
+                    .send()
+                    .await?;
+                anyhow::ensure!(r.status() == 200, "CreateOrder: {}", r.status());
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let status = std::fs::read_to_string(format!("/proc/{}/status", child.id()))?;
+            let kib = |field: &str| -> u64 {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            measured = (kib("VmRSS:"), kib("VmHWM:"));
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            child.wait()?;
+        }
+        figures.push((count, measured));
+    }
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let (none, ten) = (figures[0].1, figures[1].1);
+    out!("## Host memory\n");
+    out!("`obx serve`, release build, started from a warm compile cache, after one command.\n");
+    out!("| plugins | RSS | peak RSS |");
+    out!("| ---: | ---: | ---: |");
+    for (count, (rss, hwm)) in &figures {
+        out!("| {count} | {:.1} MiB | {:.1} MiB |", mib(*rss), mib(*hwm));
+    }
+    out!(
+        "\nEach plugin adds about {:.1} MiB ({}).\n",
+        mib(ten.0.saturating_sub(none.0)) / 10.0,
+        TEN_PLUGINS.join(", ")
+    );
+    compare(chart::Comparison::plain(
+        "rss",
+        "Host resident memory",
+        "MiB",
+        vec![("no plugin".into(), mib(none.0)), ("ten plugins".into(), mib(ten.0))],
+    ));
+    Ok(())
+}
+
+/// Runs every suite, then writes the report and its charts.
+async fn report(path: &std::path::Path) -> Result<()> {
+    commands(Duration::from_secs(10), 16).await?;
+    relay(100_000, 1000, Duration::from_secs(21)).await?;
+    latency(1000, 5, Duration::from_secs(20)).await?;
+    consume(50_000).await?;
+    reload().await?;
+    rss().await?;
+
+    let report = REPORT.lock().unwrap();
+    let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
+    std::fs::create_dir_all(&charts)?;
+    let mut doc = String::new();
+    doc.push_str(HEADER);
+    doc.push_str(&format!(
+        "\n**Machine:** {}; Linux {}; {}. Postgres is a throwaway cluster with `fsync=on`; the \
+         broker is librdkafka's mock cluster (in process, real Kafka protocol) unless \
+         `KAFKA_BROKERS` is set. The load generator shares the machine with the host, Postgres and \
+         the broker.\n\n",
+        machine(),
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        postgres_version()
+    ));
+    doc.push_str("## Summary: each figure against its ceiling\n\n");
+    doc.push_str("| figure | OBX | ceiling | ratio |\n| --- | ---: | ---: | ---: |\n");
+    for c in &report.comparisons {
+        if let Some((ceiling, value)) = &c.ceiling {
+            for (label, v) in &c.bars {
+                doc.push_str(&format!(
+                    "| {}: {label} ({}) | {} | {} ({ceiling}) | {} |\n",
+                    c.title,
+                    c.unit,
+                    chart::format_value(*v),
+                    chart::format_value(*value),
+                    chart::format_ratio(v / value)
+                ));
+            }
+        }
+    }
+    doc.push('\n');
+    for c in &report.comparisons {
+        std::fs::write(charts.join(format!("{}.svg", c.stem)), c.svg())?;
+        doc.push_str(&format!("![{}](bench/{}.svg)\n\n", c.title, c.stem));
+    }
+    doc.push_str("## Details\n\n");
+    for line in report.markdown.lines() {
+        // The suites' headings, one level down; their machine lines are said above.
+        if line.starts_with("machine:") {
+            continue;
+        }
+        if line.starts_with('#') {
+            doc.push('#');
+        }
+        doc.push_str(line);
+        doc.push('\n');
+    }
+    doc.push_str(NOTES);
+    std::fs::write(path, doc)?;
+    println!("wrote {} and {}/*.svg", path.display(), charts.display());
+    Ok(())
+}
+
+fn postgres_version() -> String {
+    obx::db::embedded::find_bindir()
+        .ok()
+        .and_then(|d| {
+            std::process::Command::new(d.join("postgres"))
+                .arg("--version")
+                .output()
+                .ok()
+        })
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+const HEADER: &str = "# Benchmarks
+
+Written by `cargo xtask bench` (the `obx-bench report` command in `tests/bench`, release
+build): every figure below was measured in one run, on one machine, next to its ceiling, and
+the charts were drawn by the same run. Re-run it to check them; expect some noise on a shared
+2-core machine, more for throughput than for latency.
+
+```sh
+cargo xtask bench                               # everything; rewrites this file and docs/bench/
+cargo xtask bench -- commands --duration 20s    # one suite, printed only
+cargo xtask bench -- relay --rows 100000
+cargo xtask bench -- latency --rate 1000 --per-command 5
+cargo xtask bench -- consume --events 20000
+cargo xtask bench -- reload
+cargo xtask bench -- rss
+```
+";
+
+const NOTES: &str = "
+## Reading the figures
+
+- **Commands.** pgbench runs the handler's statements (role switch, insert, switch back,
+  outbox insert) with nothing else: that is what Postgres itself can do here. The native
+  handler adds what any Rust service would: a pool, JSON in and out, the transaction. The
+  Wasm handler adds a fresh instance per call (pooling allocator), the guest's JSON work,
+  and the host calls for SQL and emit.
+- **Relay drain.** Per batch of 1,000 the relay claims (index scan, row locks), waits for
+  acknowledgements, and marks `published_at`, which writes a new row version and its index
+  entries: that, not Kafka, is most of the gap to raw produce. The mark does not wait for
+  the disk (a lost mark only means a row is sent again).
+- **Consume.** The ceiling is a raw consumer that does nothing with a message; OBX runs a
+  transaction per event (dedup row, handler, its writes), so the ratio is that of a
+  database commit to a memory read. Inbox mode stores first and handles later, two
+  transactions per event.
+- **Reload.** Python and JavaScript components are large (an interpreter inside); their
+  first compile takes seconds, and the compile cache makes every later load fast.
+";

@@ -87,22 +87,31 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
-            let suites: Vec<Vec<String>> = if args.is_empty() {
-                ["relay", "latency", "consume", "reload"]
-                    .iter()
-                    .map(|s| vec![s.to_string()])
-                    .collect()
+            build_extra_plugins(&root, &plugins)?;
+            // One build for both binaries: the same features, so nothing is built twice.
+            run(cargo().current_dir(&root).args([
+                "build",
+                "--release",
+                "--package",
+                "obx",
+                "--package",
+                "obx-tests",
+                "--bin",
+                "obx",
+                "--bin",
+                "obx-bench",
+            ]))?;
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(|d| root.join(d))
+                .unwrap_or_else(|| root.join("target"));
+            let args = if args.is_empty() {
+                vec!["report".to_string()]
             } else {
-                vec![args]
+                args
             };
-            for suite in suites {
-                let mut cmd = cargo();
-                cmd.current_dir(&root)
-                    .args(["run", "--release", "--package", "obx-tests", "--bin", "obx-bench", "--"]);
-                cmd.args(&suite).env("OBX_TEST_PLUGINS_DIR", &plugins);
-                run(&mut cmd)?;
-            }
-            Ok(())
+            let mut cmd = Command::new(target.join("release/obx-bench"));
+            cmd.current_dir(&root).args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
+            run(&mut cmd)
         }
         Task::Chaos { args } => {
             ensure_postgres()?;
@@ -192,6 +201,39 @@ fn external_broker_tests(root: &Path, plugins: &Path) -> Result<()> {
         let _ = child.wait();
     }
     result
+}
+
+/// Copies of `hotswap` under other names, so that the memory benchmark can load ten
+/// distinct plugins.
+fn build_extra_plugins(root: &Path, out: &Path) -> Result<()> {
+    let plugins = root.join("plugins");
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => plugins.join(dir),
+        None => plugins.join("target"),
+    };
+    for name in ["bench_extra_a", "bench_extra_b", "bench_extra_c"] {
+        // A target directory per name: Cargo does not rebuild when only the variable read
+        // by `option_env!` changes.
+        let named = target.join("variants").join(name);
+        run(cargo()
+            .current_dir(&plugins)
+            .args([
+                "build",
+                "--release",
+                "--target",
+                "wasm32-wasip2",
+                "--package",
+                "hotswap",
+            ])
+            .arg("--target-dir")
+            .arg(&named)
+            .env("OBX_HOTSWAP_NAME", name))?;
+        std::fs::copy(
+            named.join("wasm32-wasip2/release/hotswap.wasm"),
+            out.join(format!("{name}.wasm")),
+        )?;
+    }
+    Ok(())
 }
 
 /// tansu, an Apache Kafka–compatible broker, built from crates.io once (about 11 minutes).
