@@ -172,6 +172,11 @@ async fn metrics_move_as_events_flow() {
             Box::new(moved("obx_outbox_commit_to_ack_seconds_count", "")),
         ),
         (
+            // A histogram (aggregatable across hosts), not a summary.
+            "commit-to-ack histogram buckets",
+            Box::new(moved("obx_outbox_commit_to_ack_seconds_bucket", "le=\"+Inf\"")),
+        ),
+        (
             "outbox backlog",
             Box::new(|m: &str| sample(m, "obx_outbox_backlog", "").is_some()),
         ),

@@ -22,12 +22,26 @@ pub fn init_logging() {
     drop(result);
 }
 
-/// The process-wide Prometheus recorder, installed on first use.
+/// Bucket bounds, in seconds, of every duration histogram (`*_seconds`): fine in the
+/// milliseconds where commands and deliveries live, coarse up to a minute.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0,
+];
+
+/// The process-wide Prometheus recorder, installed on first use. Durations are Prometheus
+/// histograms (buckets), not summaries, so that they can be aggregated across hosts.
 pub fn metrics() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                    SECONDS_BUCKETS,
+                )
+                .expect("the bucket list is not empty")
+                .build_recorder();
             let handle = recorder.handle();
             // Fails only if another recorder is installed; then ours just records nothing.
             let _ = metrics::set_global_recorder(recorder);
