@@ -3,9 +3,13 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{plugin, wait_ready};
 
 fn obx() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_obx"));
@@ -13,19 +17,6 @@ fn obx() -> Command {
         .env_remove("OBX_CONFIG")
         .env("RUST_LOG", "info");
     cmd
-}
-
-fn plugin(name: &str) -> PathBuf {
-    let dir = std::env::var_os("OBX_TEST_PLUGINS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release"));
-    let path = dir.join(format!("{name}.wasm"));
-    assert!(
-        path.exists(),
-        "{} is missing: build the plugins with `cargo xtask test`",
-        path.display()
-    );
-    path
 }
 
 fn check(file: &Path) -> (bool, String, String) {
@@ -107,22 +98,10 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
 
     let base = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = reqwest::Client::new();
     rt.block_on(async {
-        loop {
-            if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
-                if r.status() == 200 {
-                    break;
-                }
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "the host did not become ready"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_ready(&client, &base, Duration::from_secs(60)).await;
         let r = client
             .post(format!("{base}/v1/commands/orders/CreateOrder"))
             .json(&serde_json::json!({ "customerId": "c-1", "amount": 10 }))

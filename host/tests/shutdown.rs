@@ -6,30 +6,20 @@
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use common::{plugin, wait_ready};
 use obx::db::embedded::EmbeddedPostgres;
 use obx::kafka::MockBroker;
 use serde_json::{json, Value};
 
-const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
+mod common;
 
-fn plugin(name: &str) -> PathBuf {
-    let dir = std::env::var_os("OBX_TEST_PLUGINS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release"));
-    let path = dir.join(format!("{name}.wasm"));
-    assert!(
-        path.exists(),
-        "{} is missing: build the plugins with `cargo xtask test`",
-        path.display()
-    );
-    path
-}
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
+const READY_BOUND: Duration = Duration::from_secs(120);
 
 /// One service: a database, a broker, a plugin directory, and the `obx serve` processes
 /// started on them.
@@ -124,22 +114,6 @@ impl Serving {
     }
 }
 
-async fn wait_ready(client: &reqwest::Client, base: &str) {
-    let started = Instant::now();
-    loop {
-        if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
-            if r.status() == 200 {
-                return;
-            }
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the host did not become ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn scalar(pool: &sqlx::PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql)
         .fetch_one(pool)
@@ -155,7 +129,7 @@ fn sigterm_under_load_loses_nothing_and_exits_within_the_bound() {
     let base = service.base();
 
     let first = service.serve();
-    rt.block_on(wait_ready(&client, &base));
+    rt.block_on(wait_ready(&client, &base, READY_BOUND));
     let stock = rt.block_on(
         client
             .post(format!("{base}/v1/commands/inventory/AddStock"))
@@ -268,7 +242,7 @@ fn sigterm_under_load_loses_nothing_and_exits_within_the_bound() {
     // The next start publishes what was left and handles every event exactly once.
     let second = service.serve();
     rt.block_on(async {
-        wait_ready(&client, &base).await;
+        wait_ready(&client, &base, READY_BOUND).await;
         let started = Instant::now();
         loop {
             let unpublished = scalar(
@@ -319,7 +293,7 @@ fn serve_stuck(service: &Service, rt: &tokio::runtime::Runtime, bound: &str) -> 
         ("OBX_HTTP__REQUEST_TIMEOUT", "120s"),
         ("OBX_HTTP__SHUTDOWN_TIMEOUT", bound),
     ]);
-    rt.block_on(wait_ready(&client, &base));
+    rt.block_on(wait_ready(&client, &base, READY_BOUND));
     rt.spawn(async move {
         let _ = client
             .post(format!("{base}/v1/commands/testbed/loop"))

@@ -227,15 +227,7 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
     };
     let started = Instant::now();
     let task = tokio::spawn(relay.run());
-    loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
-            .fetch_one(&pool)
-            .await?;
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_published(&pool).await?;
     let drain = started.elapsed();
     let _ = stop.send(true);
     let _ = task.await;
@@ -312,29 +304,13 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
     let baseline = metrics.render();
     let sent = open_loop(&host.url(), rate, duration).await?;
     let pool = PgPool::connect(&url).await?;
-    loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
-            .fetch_one(&pool)
-            .await?;
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_published(&pool).await?;
     let rendered = metrics.render();
     let q = |quantile: &str| -> f64 {
         quantile_of(&baseline, &rendered, "obx_outbox_commit_to_ack_seconds", quantile).unwrap_or(f64::NAN) * 1000.0
     };
     out!("## Commit-to-ack latency at {rate} events/s for {duration:?} ({sent} commands)\n");
-    out!("| p50 | p90 | p99 | p99.9 |");
-    out!("| ---: | ---: | ---: | ---: |");
-    out!(
-        "| {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
-        q("0.5"),
-        q("0.9"),
-        q("0.99"),
-        q("0.999")
-    );
+    latency_table(&q);
     host.shutdown().await?;
     Ok(())
 }
@@ -468,6 +444,13 @@ async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> 
             ("p99.9".into(), q("0.999")),
         ],
     ));
+    latency_table(&q);
+    host.shutdown().await?;
+    Ok(())
+}
+
+/// The commit-to-ack quantiles, in milliseconds, as a table row.
+fn latency_table(q: &dyn Fn(&str) -> f64) {
     out!("| p50 | p90 | p99 | p99.9 |");
     out!("| ---: | ---: | ---: | ---: |");
     out!(
@@ -477,8 +460,6 @@ async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> 
         q("0.99"),
         q("0.999")
     );
-    host.shutdown().await?;
-    Ok(())
 }
 
 async fn wait_published(pool: &PgPool) -> Result<()> {

@@ -513,16 +513,9 @@ async fn main() -> Result<()> {
 
     // Acknowledged commands: each must be committed (its number within 1..n of its key).
     let acked = load.acked.lock().unwrap().clone();
-    let counters: HashMap<String, i64> = sqlx::query_as::<_, (String, i64)>(&format!(
-        "SELECT substr(name, 5), n FROM {schema}.counters WHERE name LIKE 'seq:%'"
-    ))
-    .fetch_all(&db)
-    .await?
-    .into_iter()
-    .collect();
     let acked_lost = acked
         .iter()
-        .filter(|(k, s)| *s < 1 || *s > counters.get(k).copied().unwrap_or(0))
+        .filter(|(k, s)| *s < 1 || *s > figures.counters.get(k).copied().unwrap_or(0))
         .count();
 
     // Phantoms: an event of a command that failed, anywhere.
@@ -631,15 +624,19 @@ struct Figures {
     lost: i64,
     duplicates: i64,
     order_violations: i64,
+    /// Each key's last committed number.
+    counters: HashMap<String, i64>,
 }
 
 /// Compares what committed (each key's numbers 1..n) with what took effect.
 async fn measure(db: &PgPool, schema: &str) -> Result<Figures> {
-    let counters: Vec<(String, i64)> = sqlx::query_as(&format!(
+    let counters: HashMap<String, i64> = sqlx::query_as::<_, (String, i64)>(&format!(
         "SELECT substr(name, 5), n FROM {schema}.counters WHERE name LIKE 'seq:%'"
     ))
     .fetch_all(db)
-    .await?;
+    .await?
+    .into_iter()
+    .collect();
     // Effects in the order they were applied.
     let effects: Vec<(String, i64)> = sqlx::query_as(&format!(
         "SELECT key, seq FROM {schema}.effects WHERE topic = $1 AND key IS NOT NULL AND seq IS NOT NULL \
@@ -678,6 +675,7 @@ async fn measure(db: &PgPool, schema: &str) -> Result<Figures> {
         lost,
         duplicates,
         order_violations,
+        counters,
     })
 }
 

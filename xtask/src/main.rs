@@ -88,53 +88,17 @@ fn main() -> Result<()> {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
             build_extra_plugins(&root, &plugins)?;
-            // One build for both binaries: the same features, so nothing is built twice.
-            run(cargo().current_dir(&root).args([
-                "build",
-                "--release",
-                "--package",
-                "obx",
-                "--package",
-                "obx-tests",
-                "--bin",
-                "obx",
-                "--bin",
-                "obx-bench",
-            ]))?;
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(|d| root.join(d))
-                .unwrap_or_else(|| root.join("target"));
             let args = if args.is_empty() {
                 vec!["report".to_string()]
             } else {
                 args
             };
-            let mut cmd = Command::new(target.join("release/obx-bench"));
-            cmd.current_dir(&root).args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
-            run(&mut cmd)
+            run_release_tool(&root, &plugins, "obx-bench", &args)
         }
         Task::Chaos { args } => {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
-            // One build for both binaries: the same features, so nothing is built twice.
-            run(cargo().current_dir(&root).args([
-                "build",
-                "--release",
-                "--package",
-                "obx",
-                "--package",
-                "obx-tests",
-                "--bin",
-                "obx",
-                "--bin",
-                "obx-chaos",
-            ]))?;
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(|d| root.join(d))
-                .unwrap_or_else(|| root.join("target"));
-            let mut cmd = Command::new(target.join("release/obx-chaos"));
-            cmd.current_dir(&root).args(&args).env("OBX_TEST_PLUGINS_DIR", &plugins);
-            run(&mut cmd)
+            run_release_tool(&root, &plugins, "obx-chaos", &args)
         }
         Task::Run { release, args } => {
             ensure_postgres()?;
@@ -201,6 +165,29 @@ fn external_broker_tests(root: &Path, plugins: &Path) -> Result<()> {
         let _ = child.wait();
     }
     result
+}
+
+/// Builds `obx` and the tool `bin` of `tests/` (release), and runs the tool with `args`.
+/// One build for both binaries: the same features, so nothing is built twice.
+fn run_release_tool(root: &Path, plugins: &Path, bin: &str, args: &[String]) -> Result<()> {
+    run(cargo().current_dir(root).args([
+        "build",
+        "--release",
+        "--package",
+        "obx",
+        "--package",
+        "obx-tests",
+        "--bin",
+        "obx",
+        "--bin",
+        bin,
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(|d| root.join(d))
+        .unwrap_or_else(|| root.join("target"));
+    let mut cmd = Command::new(target.join("release").join(bin));
+    cmd.current_dir(root).args(args).env("OBX_TEST_PLUGINS_DIR", plugins);
+    run(&mut cmd)
 }
 
 /// Copies of `hotswap` under other names, so that the memory benchmark can load ten
