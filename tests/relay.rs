@@ -1,6 +1,6 @@
 //! The outbox relay against a real Kafka-protocol broker: the librdkafka mock cluster by
-//! default, or the broker in `KAFKA_BROKERS`. Topics are unique per test, so tests can share
-//! an external broker.
+//! default, or the broker in `KAFKA_BROKERS`. Each test's host has a topic prefix of its own
+//! on an external broker, so tests can share one.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -8,8 +8,9 @@ use std::time::Duration;
 use obx_tests::{broker, consume, eventually, spawn_host, spawn_host_with, TestHost};
 use serde_json::json;
 
+/// One of the testbed's declared topics (it may emit to no others).
 fn topic(name: &str) -> String {
-    format!("{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+    format!("testbed.{name}")
 }
 
 async fn unpublished(host: &TestHost) -> i64 {
@@ -72,6 +73,7 @@ async fn every_committed_row_is_published_once_with_key_value_and_headers() {
         assert_eq!(m.header("eventType"), Some("OrderCreated"));
         assert_eq!(m.header("aggregateType"), Some("Order"));
         assert_eq!(m.header("aggregateId"), Some(key.as_str()));
+        assert_eq!(m.header("obx-plugin"), Some("orders"), "the emitting plugin is named");
     }
     host.shutdown().await;
 }
@@ -183,7 +185,8 @@ async fn three_relays_keep_per_key_order_without_duplicates() {
     assert_eq!(violations, 0, "per-key order violations");
     // Each relay did part of the work.
     let shards: Vec<i64> = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868724225::oid GROUP BY pid",
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+         AND classid = (SELECT (lock_space & 2147483646)::oid FROM obx.installation) GROUP BY pid",
     )
     .fetch_all(&first.db)
     .await
@@ -379,7 +382,7 @@ async fn retention_deletes_old_published_rows_only() {
         .command(
             "testbed",
             "emit",
-            json!({ "id": "old", "topic": topic("ret"), "count": 30 }),
+            json!({ "id": "old", "topic": topic("retention"), "count": 30 }),
         )
         .await;
     assert_eq!(a.status, 200);
@@ -421,7 +424,7 @@ async fn shard_locks(host: &TestHost) -> Vec<i64> {
         "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
          WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = 'obx-relay' \
            AND a.datname = current_database() AND l.objsubid = 2 \
-           AND l.classid = 1868724225 \
+           AND l.classid = (SELECT (lock_space & 2147483646)::oid FROM obx.installation) \
          GROUP BY l.pid ORDER BY 1",
     )
     .fetch_all(&host.db)
@@ -462,4 +465,52 @@ async fn relays_that_join_later_get_their_fair_share_of_shards() {
     for host in hosts {
         host.shutdown().await;
     }
+}
+
+/// A row the broker refuses for good (here: larger than the producer may send, as after a
+/// configuration change) is set aside and counted; the later rows of its key go out.
+#[tokio::test]
+async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let t = topic("events");
+    sqlx::query(
+        "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
+                                       partition_key, plugin_name, plugin_version) \
+         VALUES (gen_random_uuid(), 'Item', 'k', 'ItemEmitted', jsonb_build_object('pad', repeat('x', 2000000)), \
+                 $1, 'k', 'testbed', 'old')",
+    )
+    .bind(&t)
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "after", "topic": t, "key": "k", "count": 2 }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    eventually(
+        Duration::from_secs(30),
+        "the later rows of the key are published",
+        || async {
+            host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+                .await
+                == 2
+        },
+    )
+    .await;
+    let messages = consume(&bootstrap, &host.topic(&t), 2, Duration::from_secs(10)).await;
+    assert_eq!(messages.len(), 2);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_delivery_failure WHERE set_aside AND attempts = 1")
+            .await,
+        1
+    );
+    let status = host.get("/v1/status").await;
+    assert_eq!(status.body["outbox"]["rows_set_aside"], 1, "{}", status.text);
+    assert_eq!(status.body["outbox"]["backlog"], 0, "{}", status.text);
+    host.shutdown().await;
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{spawn_host, spawn_host_with, TestHost};
+use obx_tests::{eventually, spawn_host, spawn_host_with, TestHost};
 use serde_json::{json, Value};
 
 /// Runs `sql` through the testbed plugin; returns the answer's status and the SQL error's
@@ -96,12 +96,8 @@ async fn postgres_refuses_what_the_plugin_role_may_not_touch() {
         "SELECT * FROM orders.orders",
         "INSERT INTO obx.outbox_event DEFAULT VALUES",
     ] {
-        let mut tx = host.db.begin().await.unwrap();
-        sqlx::raw_sql("SET LOCAL ROLE obx_plugin_testbed")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        let err = sqlx::raw_sql(sql).execute(&mut *tx).await.expect_err(sql);
+        let mut session = host.plugin_session("testbed").await;
+        let err = sqlx::raw_sql(sql).execute(&mut session).await.expect_err(sql);
         assert_eq!(
             err.as_database_error().and_then(|e| e.code()).as_deref(),
             Some("42501"),
@@ -112,23 +108,21 @@ async fn postgres_refuses_what_the_plugin_role_may_not_touch() {
 }
 
 #[tokio::test]
-async fn plugin_statements_run_under_the_plugin_role_and_timeouts() {
+async fn plugin_statements_run_on_the_plugin_login_with_its_timeouts() {
     let host = spawn_host_with(&["testbed"], |c| {
         c.limits.statement_timeout = Duration::from_millis(300)
     })
     .await;
     let (status, body) = run(
         &host,
-        "SELECT current_user::text, current_setting('search_path'), current_setting('statement_timeout'), \
-                current_setting('lock_timeout')",
+        "SELECT session_user::text, current_user::text, current_setting('search_path'), \
+                current_setting('statement_timeout'), current_setting('lock_timeout')",
         json!([]),
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(
-        body["rows"][0],
-        json!(["obx_plugin_testbed", "\"testbed\"", "300ms", "1s"])
-    );
+    let role = host.plugin_role("testbed").await;
+    assert_eq!(body["rows"][0], json!([role, role, "testbed", "300ms", "1s"]));
 
     // A statement slower than the statement timeout is stopped, with a typed error.
     let (status, reason) = run(&host, "SELECT count(*) FROM generate_series(1, 1000000000)", json!([])).await;
@@ -193,5 +187,107 @@ async fn values_travel_typed_in_both_directions() {
     // A malformed typed value is refused before it reaches Postgres.
     let (status, reason) = run(&host, "SELECT $1::uuid", json!([{ "uuid": "not-a-uuid" }])).await;
     assert_eq!((status, reason), (409, json!("invalid")));
+    host.shutdown().await;
+}
+
+/// Postgres reads `(x).f` as the call `f(x)`, which a parser sees as a field: refused unless
+/// it is a column's field, and never with a denied function's name. Temporary objects, and
+/// statements too large or too deep to walk safely, are refused too; the host keeps serving
+/// and no plugin session holds anything afterwards.
+#[tokio::test]
+async fn calls_in_attribute_notation_temporary_objects_and_monster_statements_are_refused() {
+    let host = spawn_host(&["testbed"]).await;
+    for sql in [
+        "SELECT ('SELECT set_config(''role'', ''none'', true)').ts_stat::text",
+        "SELECT ('SELECT 1').query_to_xml",
+        "SELECT ('role').set_config",
+        "SELECT (42::bigint).pg_advisory_lock",
+        "SELECT ($1::bigint).pg_advisory_lock",
+        "SELECT (1.5::float8).pg_sleep",
+        "SELECT ('/etc/passwd').lo_import",
+        "SELECT (0::oid).lo_unlink",
+        "SELECT (n).pg_advisory_lock FROM counters",
+        "SELECT c.pg_sleep FROM counters c",
+        "SELECT (SELECT 'x').ts_stat",
+        "CREATE TEMPORARY TABLE uuid (x int)",
+        "SELECT * INTO TEMPORARY t FROM items",
+        "SELECT * FROM pg_temp.items",
+    ] {
+        let params = if sql.contains("$1") { json!([7]) } else { json!([]) };
+        let (status, reason) = run(&host, sql, params).await;
+        assert_eq!(
+            (status, reason.as_str()),
+            (409, Some("forbidden")),
+            "{sql} was not refused"
+        );
+    }
+    // A composite column's field is still fine.
+    let (status, body) = run(&host, "SELECT (c).name FROM counters c", json!([])).await;
+    assert_eq!(status, 200, "{body}");
+
+    // Statements that once aborted the host: too large, or a chain too deep to drop.
+    for (terms, why) in [(50_000, "over 64 KiB"), (20_000, "within 64 KiB, too deep")] {
+        let sql = format!("SELECT {}", vec!["1"; terms].join("+"));
+        let (status, reason) = run(&host, &sql, json!([])).await;
+        assert_eq!((status, reason.as_str()), (409, Some("forbidden")), "{why}");
+    }
+    let nested = format!("SELECT {}1{}", "(".repeat(500), ")".repeat(500));
+    let (status, reason) = run(&host, &nested, json!([])).await;
+    assert_eq!((status, reason.as_str()), (409, Some("forbidden")));
+    // Long but shallow statements are fine.
+    let wide = format!("SELECT {}", vec!["1 + 1"; 1500].join(", "));
+    let (status, body) = run(&host, &wide, json!([])).await;
+    assert_eq!(status, 200, "{body}");
+
+    let ok = host.command("testbed", "ok", json!({ "id": "alive" })).await;
+    assert_eq!(ok.status, 200);
+    let role = host.plugin_role("testbed").await;
+    let held = host
+        .count(&format!(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.locktype = 'advisory' AND a.usename = '{role}'"
+        ))
+        .await;
+    assert_eq!(held, 0);
+    host.shutdown().await;
+}
+
+/// A query's result is bounded in bytes as well as rows, counted as rows arrive: the host
+/// stops reading, abandons the session, and does not grow past the cap.
+#[tokio::test]
+async fn a_huge_result_set_is_cut_off_without_growing_the_host() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.max_result_bytes = 8 * 1024 * 1024).await;
+    let rss = || {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kb * 1024
+    };
+    let before = rss();
+    // 400 MB of rows, 1 MB each.
+    let (status, reason) = run(
+        &host,
+        "SELECT repeat('x', 1000000) FROM generate_series(1, 400)",
+        json!([]),
+    )
+    .await;
+    assert_eq!((status, reason.as_str()), (409, Some("limit")));
+    let grown = rss().saturating_sub(before);
+    assert!(grown < 96 * 1024 * 1024, "the host grew by {} MB", grown / 1024 / 1024);
+    // The abandoned session was ended on the server too; the plugin keeps working.
+    let role = host.plugin_role("testbed").await;
+    eventually(Duration::from_secs(5), "the abandoned backend ends", || async {
+        host.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND state = 'active'"
+        ))
+        .await
+            == 0
+    })
+    .await;
+    let (status, body) = run(&host, "SELECT count(*) FROM generate_series(1, 10)", json!([])).await;
+    assert_eq!(status, 200, "{body}");
     host.shutdown().await;
 }

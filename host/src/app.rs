@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::api::{self, AppState};
 use crate::config::Config;
+use crate::db::sessions::Sessions;
 use crate::db::{self, embedded::EmbeddedPostgres};
 use crate::dispatch::Dispatcher;
 use crate::inbox::processor::Processor;
@@ -31,6 +32,8 @@ pub struct Host {
     pub runtime: Arc<Runtime>,
     pub brokers: Arc<Brokers>,
     pub dispatcher: Arc<Dispatcher>,
+    /// The plugins' own database sessions.
+    pub sessions: Arc<Sessions>,
     ready: Arc<AtomicBool>,
     stop_http: watch::Sender<bool>,
     stop_tasks: watch::Sender<bool>,
@@ -55,14 +58,20 @@ pub async fn start(config: Config) -> Result<Host> {
                 .await?
                 .context("starting the throwaway Postgres")?;
             tracing::info!(port = pg.port(), "throwaway Postgres is up");
-            (pg.url("postgres"), Some(pg))
+            // The host runs as it should in production: a user named `obx` that owns its
+            // database, with CREATEROLE and no superuser rights.
+            let password = uuid::Uuid::new_v4().simple().to_string();
+            let url = db::embedded::create_owner(&pg.url("postgres"), "obx", &password, "obx").await?;
+            (url, Some(pg))
         }
     };
     let pool = db::connect(&url, &config.database).await?;
     db::migrate(&pool).await?;
+    warn_if_superuser(&pool).await;
+    let sessions = Arc::new(Sessions::new(&url, pool.clone(), &config.database)?);
 
     let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_dir().as_deref())?;
-    let registry = Arc::new(Registry::new());
+    let registry = Arc::new(Registry::new(sessions.clone()));
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 
     let brokers = Arc::new(Brokers::start(&config.kafka)?);
@@ -98,7 +107,13 @@ pub async fn start(config: Config) -> Result<Host> {
         config.retention.clone(),
         tasks_stopped,
     )));
-    let dispatcher = Arc::new(Dispatcher::new(pool.clone(), runtime.clone(), registry.clone(), signal));
+    let dispatcher = Arc::new(Dispatcher::new(
+        pool.clone(),
+        sessions.clone(),
+        runtime.clone(),
+        registry.clone(),
+        signal,
+    ));
 
     // Consumption: a consumer per plugin with subscriptions (following the plugins as they
     // are loaded and unloaded), and the inbox processors. The watcher stops with them.
@@ -171,6 +186,7 @@ pub async fn start(config: Config) -> Result<Host> {
         runtime,
         brokers,
         dispatcher,
+        sessions,
         ready,
         stop_http,
         stop_tasks,
@@ -199,6 +215,7 @@ impl Host {
         for task in self.consumers.into_iter().chain(self.tasks) {
             let _ = task.await;
         }
+        self.sessions.close().await;
         self.pool.close().await;
     }
 
@@ -217,8 +234,24 @@ impl Host {
         for task in self.tasks {
             let _ = task.await;
         }
+        self.sessions.close().await;
         self.pool.close().await;
         Ok(())
+    }
+}
+
+/// The host needs no superuser rights (see docs/operations.md); with them, a bug in a host
+/// function would have them too.
+async fn warn_if_superuser(pool: &PgPool) {
+    let superuser: bool = sqlx::query_scalar("SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(false);
+    if superuser {
+        tracing::warn!(
+            "the host's database user is a superuser; it needs only CREATEROLE and its own \
+             database (docs/operations.md). Plugins stay confined either way"
+        );
     }
 }
 

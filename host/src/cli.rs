@@ -292,10 +292,11 @@ async fn status(config: Option<PathBuf>, url: Option<String>, json: bool, token:
     }
     let o = &body["outbox"];
     println!(
-        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery",
+        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery, {} set aside (refused for good)",
         o["backlog"],
         o["oldest_unpublished_seconds"].as_f64().unwrap_or(0.0),
-        o["rows_failing"]
+        o["rows_failing"],
+        o["rows_set_aside"]
     );
     println!(
         "\nconsumption\n  {:<16} {:>8} {:>8} {:>13} {:>12}",

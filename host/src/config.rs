@@ -139,6 +139,10 @@ pub struct DatabaseConfig {
     #[serde(serialize_with = "show_database_url")]
     pub url: Option<Secret>,
     pub max_connections: u32,
+    /// Connections each plugin's own pool may open (its sessions log in as the plugin's
+    /// role); opened on demand and closed after a minute idle. This also caps how many calls
+    /// of one plugin run at once, so a slow plugin cannot take every connection.
+    pub plugin_max_connections: u32,
     /// How long a call waits for a free connection before it is refused with 503.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
@@ -149,6 +153,7 @@ impl Default for DatabaseConfig {
         DatabaseConfig {
             url: None,
             max_connections: 16,
+            plugin_max_connections: 8,
             acquire_timeout: Duration::from_secs(5),
         }
     }
@@ -228,6 +233,17 @@ impl Default for KafkaConfig {
             topic_partitions: -1,
             properties: BTreeMap::new(),
         }
+    }
+}
+
+impl KafkaConfig {
+    /// The largest message the producer will send: `message.max.bytes` from the properties,
+    /// or librdkafka's default.
+    pub fn producer_max_message_bytes(&self) -> usize {
+        self.properties
+            .get("message.max.bytes")
+            .and_then(|v| v.expose().trim().parse().ok())
+            .unwrap_or(crate::kafka::DEFAULT_MESSAGE_MAX_BYTES)
     }
 }
 
@@ -336,6 +352,15 @@ pub struct Limits {
     pub max_emit_bytes_per_call: usize,
     /// Rows one query may return to a plugin.
     pub max_rows: u32,
+    /// Bytes of column data one query may return to a plugin, counted as rows arrive.
+    pub max_result_bytes: usize,
+    /// The longest SQL statement a plugin may send, in bytes (a migration: each statement).
+    pub max_statement_bytes: usize,
+    /// Postgres `work_mem` of plugin sessions, in bytes.
+    pub work_mem_bytes: u64,
+    /// Postgres `temp_file_limit` of plugin sessions, in bytes. Setting it needs
+    /// `GRANT SET ON PARAMETER temp_file_limit TO <host user>` (see docs/operations.md).
+    pub temp_file_bytes: u64,
     /// Postgres `statement_timeout` for plugin statements.
     #[serde(with = "humantime_serde")]
     pub statement_timeout: Duration,
@@ -354,9 +379,14 @@ impl Default for Limits {
             max_component_bytes: 128 * 1024 * 1024,
             compile_timeout: Duration::from_secs(120),
             max_emits_per_call: 1000,
-            max_payload_bytes: 1024 * 1024,
+            // Fits librdkafka's default message.max.bytes (1,000,000) with the key and headers.
+            max_payload_bytes: 960 * 1024,
             max_emit_bytes_per_call: 16 * 1024 * 1024,
             max_rows: 10_000,
+            max_result_bytes: 16 * 1024 * 1024,
+            max_statement_bytes: 64 * 1024,
+            work_mem_bytes: 4 * 1024 * 1024,
+            temp_file_bytes: 1024 * 1024 * 1024,
             statement_timeout: Duration::from_secs(2),
             lock_timeout: Duration::from_secs(1),
             max_concurrent_calls: 256,
@@ -565,6 +595,30 @@ impl Config {
         }
         if l.max_payload_bytes == 0 {
             return invalid("limits.max_payload_bytes", "must be greater than 0");
+        }
+        let producer_max = self.kafka.producer_max_message_bytes();
+        if l.max_payload_bytes + crate::kafka::MESSAGE_OVERHEAD_BYTES > producer_max {
+            return invalid(
+                "limits.max_payload_bytes",
+                &format!(
+                    "must leave {} bytes for the key and headers within the producer's \
+                     message.max.bytes ({producer_max}): at most {}",
+                    crate::kafka::MESSAGE_OVERHEAD_BYTES,
+                    producer_max.saturating_sub(crate::kafka::MESSAGE_OVERHEAD_BYTES)
+                ),
+            );
+        }
+        if l.max_result_bytes < 1024 {
+            return invalid("limits.max_result_bytes", "must be at least 1024");
+        }
+        if !(1024..=16 * 1024 * 1024).contains(&l.max_statement_bytes) {
+            return invalid("limits.max_statement_bytes", "must be between 1 KiB and 16 MiB");
+        }
+        if l.work_mem_bytes < 64 * 1024 {
+            return invalid("limits.work_mem_bytes", "must be at least 64 KiB (Postgres's minimum)");
+        }
+        if self.database.plugin_max_connections == 0 {
+            return invalid("database.plugin_max_connections", "must be at least 1");
         }
         if l.statement_timeout.is_zero() {
             return invalid(

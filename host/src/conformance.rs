@@ -19,7 +19,8 @@ use sqlx::PgPool;
 
 use crate::config::Config;
 use crate::db::embedded::EmbeddedPostgres;
-use crate::dispatch::{enter_plugin, CommandError};
+use crate::db::sessions::Sessions;
+use crate::dispatch::CommandError;
 use crate::runtime::bindings::guest;
 use crate::runtime::{loader, CallError, Plugin, Runtime};
 
@@ -76,7 +77,7 @@ pub async fn run(file: &Path, config: &Config) -> Result<Vec<Check>> {
     };
 
     let scratch = Scratch::create(config).await?;
-    let result = check_with_database(&runtime, &plugin, &scratch.pool, &mut checks).await;
+    let result = check_with_database(&runtime, &plugin, &scratch, &mut checks).await;
     scratch.drop().await;
     result?;
     Ok(checks)
@@ -85,10 +86,11 @@ pub async fn run(file: &Path, config: &Config) -> Result<Vec<Check>> {
 async fn check_with_database(
     runtime: &Arc<Runtime>,
     plugin: &Plugin,
-    pool: &PgPool,
+    scratch: &Scratch,
     checks: &mut Vec<Check>,
 ) -> Result<()> {
-    match crate::db::plugin_schema::prepare(pool, &plugin.manifest).await {
+    let sessions = &scratch.sessions;
+    match crate::db::plugin_schema::prepare(&scratch.pool, sessions, &plugin.manifest, runtime.limits()).await {
         Ok(()) => checks.push(Check::pass(
             "migrations apply to an empty schema",
             format!("{} applied", plugin.manifest.migrations.len()),
@@ -99,14 +101,14 @@ async fn check_with_database(
         }
     }
     for command in &plugin.manifest.commands {
-        let outcome = call_command(runtime, plugin, pool, command).await?;
+        let outcome = call_command(runtime, plugin, sessions, command).await?;
         checks.push(match outcome {
             Ok(answer) => Check::pass(format!("command {command} answers"), answer),
             Err(problem) => Check::fail(format!("command {command} answers"), problem),
         });
     }
     let unknown = "obx-conformance-undeclared";
-    let outcome = call_command(runtime, plugin, pool, unknown).await?;
+    let outcome = call_command(runtime, plugin, sessions, unknown).await?;
     checks.push(match outcome {
         Ok(answer) if answer.starts_with("typed error") => {
             Check::pass("an undeclared command gets a typed error", answer)
@@ -132,8 +134,7 @@ async fn check_with_database(
             headers: vec![],
             attempt: 1,
         };
-        let mut tx = pool.begin().await?;
-        enter_plugin(&mut tx, plugin, runtime.limits()).await?;
+        let tx = sessions.begin(&plugin.manifest.name).await?;
         let out = runtime.handle_event(plugin, tx, event).await;
         let rule = format!("events of {} ({event_type}) are handled", subscription.topic);
         checks.push(match out.result {
@@ -153,11 +154,10 @@ async fn check_with_database(
 async fn call_command(
     runtime: &Arc<Runtime>,
     plugin: &Plugin,
-    pool: &PgPool,
+    sessions: &Sessions,
     name: &str,
 ) -> Result<Result<String, String>> {
-    let mut tx = pool.begin().await?;
-    enter_plugin(&mut tx, plugin, runtime.limits()).await?;
+    let tx = sessions.begin(&plugin.manifest.name).await?;
     let command = guest::Command {
         name: name.into(),
         payload: "{}".into(),
@@ -191,9 +191,10 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or(s)
 }
 
-/// A database created for the check and dropped after it.
+/// A database created for the check and dropped after it, with the plugin roles it made.
 struct Scratch {
     pool: PgPool,
+    sessions: Sessions,
     admin: PgPool,
     name: String,
     _embedded: Option<EmbeddedPostgres>,
@@ -223,9 +224,11 @@ impl Scratch {
             }
             None => anyhow::bail!("cannot tell the database from the URL"),
         };
-        let pool = PgPool::connect(&url).await?;
+        let pool = crate::db::connect(&url, &config.database).await?;
         crate::db::migrate(&pool).await?;
+        let sessions = Sessions::new(&url, pool.clone(), &config.database)?;
         Ok(Scratch {
+            sessions,
             pool,
             admin,
             name,
@@ -234,10 +237,21 @@ impl Scratch {
     }
 
     async fn drop(self) {
+        // Roles belong to the whole cluster: drop the scratch installation's with it.
+        let roles: Vec<String> = sqlx::query_scalar("SELECT role_name FROM obx.plugin")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap_or_default();
+        self.sessions.close().await;
         self.pool.close().await;
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
             .execute(&self.admin)
             .await;
+        for role in roles {
+            let _ = sqlx::query(&format!("DROP ROLE IF EXISTS \"{}\"", role.replace('"', "\"\"")))
+                .execute(&self.admin)
+                .await;
+        }
         self.admin.close().await;
     }
 }

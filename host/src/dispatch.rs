@@ -1,13 +1,14 @@
-//! Runs commands. The dispatcher owns the transaction of every call: it opens it, puts it
-//! under the plugin's role, hands it to the handler through the `sql` import, and then
-//! commits it, with the call's outbox rows and its idempotency record, only if the handler
-//! succeeded. Any other ending rolls everything back.
+//! Runs commands. The dispatcher owns the transaction of every call: it opens it on a
+//! session of the plugin's own role, hands it to the handler through the `sql` import, and
+//! then commits it, with the call's outbox rows and its idempotency record, only if the
+//! handler succeeded. Any other ending rolls everything back.
 //!
 //! Invariants:
 //! * One command, one transaction: domain writes, `outbox_event` rows and the
 //!   `Idempotency-Key` record commit together or not at all.
-//! * Plugin statements run between [`enter_plugin`] and [`leave_plugin`]; host statements
-//!   run outside that window, under the host's role.
+//! * The whole transaction runs as the plugin: what the host adds to it (outbox rows, the
+//!   idempotency record) goes through the `obx_api` functions, which act for the session's
+//!   plugin and no other.
 //! * A call that did not return `ok` never commits its effects.
 
 use std::sync::Arc;
@@ -15,8 +16,10 @@ use std::time::Instant;
 
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction};
+use sqlx::PgPool;
 
+use crate::db::sessions::{PluginTx, SessionError, Sessions};
+use crate::idempotency::{self, Claim};
 use crate::outbox;
 use crate::runtime::bindings::{guest, types::HandlerError};
 use crate::runtime::registry::Registry;
@@ -26,7 +29,10 @@ use crate::trace::TraceContext;
 use tracing::Instrument;
 
 pub struct Dispatcher {
+    /// The host's own pool, for bookkeeping outside plugin transactions.
     pub(crate) pool: PgPool,
+    /// Sessions of the plugins' own roles, where every call runs.
+    pub(crate) sessions: Arc<Sessions>,
     runtime: Arc<Runtime>,
     registry: Arc<Registry>,
     signal: Signal,
@@ -164,7 +170,12 @@ impl From<CallError> for CommandError {
 
 fn db_error(e: impl Into<anyhow::Error>) -> CommandError {
     let e = e.into();
-    if let Some(sqlx::Error::PoolTimedOut) = e.downcast_ref::<sqlx::Error>() {
+    let timed_out = matches!(e.downcast_ref::<sqlx::Error>(), Some(sqlx::Error::PoolTimedOut))
+        || matches!(
+            e.downcast_ref::<SessionError>(),
+            Some(SessionError::Database(sqlx::Error::PoolTimedOut))
+        );
+    if timed_out {
         return CommandError::Busy;
     }
     CommandError::Database(e)
@@ -174,9 +185,16 @@ fn db_error(e: impl Into<anyhow::Error>) -> CommandError {
 const HANDLER_SAVEPOINT: &str = "SAVEPOINT obx_handler";
 
 impl Dispatcher {
-    pub fn new(pool: PgPool, runtime: Arc<Runtime>, registry: Arc<Registry>, signal: Signal) -> Dispatcher {
+    pub fn new(
+        pool: PgPool,
+        sessions: Arc<Sessions>,
+        runtime: Arc<Runtime>,
+        registry: Arc<Registry>,
+        signal: Signal,
+    ) -> Dispatcher {
         Dispatcher {
             pool,
+            sessions,
             runtime,
             registry,
             signal,
@@ -253,16 +271,13 @@ impl Dispatcher {
                 command: req.command.clone(),
             });
         }
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
+        let mut tx = self.sessions.begin(&plugin.manifest.name).await.map_err(db_error)?;
 
         let idempotency = match &req.idempotency_key {
             None => None,
             Some(key) => {
                 let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
-                match claim_key(&mut tx, &plugin.manifest.name, key, &hash)
-                    .await
-                    .map_err(db_error)?
-                {
+                match idempotency::claim(&mut tx, key, &hash).await.map_err(db_error)? {
                     Claim::New => {
                         sqlx::query(HANDLER_SAVEPOINT)
                             .execute(&mut *tx)
@@ -289,9 +304,6 @@ impl Dispatcher {
             }
         };
 
-        enter_plugin(&mut tx, &plugin, self.runtime.limits())
-            .await
-            .map_err(db_error)?;
         let command = guest::Command {
             name: req.command.clone(),
             payload: req.payload.clone(),
@@ -328,7 +340,7 @@ impl Dispatcher {
                 sqlx::query("ROLLBACK TO SAVEPOINT obx_handler")
                     .execute(&mut *tx)
                     .await?;
-                store_answer(&mut tx, &plugin.manifest.name, key, error.status(), &body).await?;
+                idempotency::store_answer(&mut tx, key, error.status(), &body).await?;
                 tx.commit().await
             }
             .await;
@@ -343,27 +355,18 @@ impl Dispatcher {
 
     async fn commit(
         &self,
-        mut tx: Transaction<'static, Postgres>,
+        mut tx: PluginTx,
         plugin: &Plugin,
         trace: &TraceContext,
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
-        if !events.is_empty() || answer.is_some() {
-            leave_plugin(&mut tx).await.map_err(db_error)?;
-        }
         let traceparent = trace.header();
-        outbox::writer::insert(
-            &mut tx,
-            &plugin.manifest.name,
-            &plugin.manifest.version,
-            Some(&traceparent),
-            events,
-        )
-        .await
-        .map_err(db_error)?;
+        outbox::writer::insert(&mut tx, &plugin.manifest.version, Some(&traceparent), events)
+            .await
+            .map_err(db_error)?;
         if let Some((key, status, body)) = answer {
-            store_answer(&mut tx, &plugin.manifest.name, key, status, body)
+            idempotency::store_answer(&mut tx, key, status, body)
                 .await
                 .map_err(db_error)?;
         }
@@ -385,22 +388,22 @@ pub struct EventFailure {
     pub retriable: bool,
     /// The event's transaction, still open (possibly aborted), when it survived the call:
     /// the caller rolls it back, whole or to a savepoint of its own.
-    pub tx: Option<Transaction<'static, Postgres>>,
+    pub tx: Option<PluginTx>,
 }
 
 impl Dispatcher {
     /// Runs `handle-event` in `tx`. The caller writes its own bookkeeping (the dedup row,
-    /// the inbox mark) first, as the host; on success the handler's writes and its outbox
+    /// the inbox mark) first, through `obx_api`; on success the handler's writes and its outbox
     /// rows are in `tx`, and the caller commits with [`Dispatcher::commit_event`] — nothing
     /// else may run in `tx` after this call. On failure the transaction comes back in the
     /// [`EventFailure`], for the caller to roll back.
     pub async fn run_event(
         &self,
         plugin: &Plugin,
-        tx: Transaction<'static, Postgres>,
+        tx: PluginTx,
         event: guest::Event,
         parent_trace: Option<&TraceContext>,
-    ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
+    ) -> Result<(PluginTx, usize), EventFailure> {
         let trace = TraceContext::child_of(parent_trace);
         let span = tracing::info_span!(
             "event",
@@ -418,41 +421,18 @@ impl Dispatcher {
     async fn run_event_in_span(
         &self,
         plugin: &Plugin,
-        mut tx: Transaction<'static, Postgres>,
+        tx: PluginTx,
         event: guest::Event,
         trace: &TraceContext,
-    ) -> Result<(Transaction<'static, Postgres>, usize), EventFailure> {
+    ) -> Result<(PluginTx, usize), EventFailure> {
         let started = Instant::now();
-        if let Err(e) = enter_plugin(&mut tx, plugin, self.runtime.limits()).await {
-            return Err(EventFailure {
-                error: format!("database: {e}"),
-                retriable: true,
-                tx: Some(tx),
-            });
-        }
-        let entered = started.elapsed();
         let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
         let handled = started.elapsed();
         let outcome = match (result, tx) {
             (Ok(()), Some(mut tx)) => {
-                // With no events to write, nothing more runs as the host before the commit,
-                // which ends the plugin's role anyway.
-                let written = async {
-                    if events.is_empty() {
-                        return Ok(());
-                    }
-                    leave_plugin(&mut tx).await?;
-                    let traceparent = trace.header();
-                    outbox::writer::insert(
-                        &mut tx,
-                        &plugin.manifest.name,
-                        &plugin.manifest.version,
-                        Some(&traceparent),
-                        &events,
-                    )
-                    .await
-                }
-                .await;
+                let traceparent = trace.header();
+                let written =
+                    outbox::writer::insert(&mut tx, &plugin.manifest.version, Some(&traceparent), &events).await;
                 match written {
                     Ok(()) => Ok((tx, events.len())),
                     Err(e) => Err(EventFailure {
@@ -479,7 +459,7 @@ impl Dispatcher {
                 })
             }
         };
-        tracing::trace!(?entered, ?handled, took = ?started.elapsed(), "event handler");
+        tracing::trace!(?handled, took = ?started.elapsed(), "event handler");
         let label = if outcome.is_ok() { "ok" } else { "failed" };
         metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
             .increment(1);
@@ -489,7 +469,7 @@ impl Dispatcher {
     }
 
     /// Commits an event's transaction and wakes the relay if it wrote outbox rows.
-    pub async fn commit_event(&self, tx: Transaction<'static, Postgres>, events: usize) -> sqlx::Result<()> {
+    pub async fn commit_event(&self, tx: PluginTx, events: usize) -> sqlx::Result<()> {
         tx.commit().await?;
         if events > 0 {
             self.signal.notify();
@@ -512,43 +492,6 @@ fn describe_call_error(e: &CallError) -> String {
     }
 }
 
-/// Puts the transaction under the plugin's role, schema and timeouts until [`leave_plugin`].
-/// `SET LOCAL` semantics: it all ends with the transaction, or at a rollback to a savepoint
-/// taken before it.
-pub(crate) async fn enter_plugin(
-    conn: &mut PgConnection,
-    plugin: &Plugin,
-    limits: &crate::config::Limits,
-) -> sqlx::Result<()> {
-    let ms = |d: std::time::Duration| format!("{}ms", d.as_millis());
-    // If the host ever stalls holding this transaction, Postgres ends it rather than let
-    // it pin the xmin horizon.
-    let idle = limits.call_deadline + limits.statement_timeout * 2;
-    sqlx::query(
-        "SELECT set_config('role', $1, true), set_config('search_path', $2, true), \
-                set_config('statement_timeout', $3, true), set_config('lock_timeout', $4, true), \
-                set_config('idle_in_transaction_session_timeout', $5, true)",
-    )
-    .bind(&plugin.identity.role)
-    .bind(format!("\"{}\"", plugin.identity.schema))
-    .bind(ms(limits.statement_timeout))
-    .bind(ms(limits.lock_timeout))
-    .bind(ms(idle))
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Returns the transaction to the host's role and default search path.
-pub(crate) async fn leave_plugin(conn: &mut PgConnection) -> sqlx::Result<()> {
-    sqlx::query(RESET_TO_HOST).execute(conn).await?;
-    Ok(())
-}
-
-/// `RESET ROLE` and `RESET search_path` in one prepared statement.
-pub(crate) const RESET_TO_HOST: &str = "SELECT set_config('role', 'none', true), \
-     set_config('search_path', (SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'search_path'), true)";
-
 fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {
     if response.len() > max_bytes {
         return Err(format!(
@@ -559,55 +502,4 @@ fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {
     serde_json::from_str::<serde::de::IgnoredAny>(response)
         .map(|_| ())
         .map_err(|e| format!("the response is not valid JSON: {e}"))
-}
-
-enum Claim {
-    /// The key is new: this request runs the handler.
-    New,
-    /// The key was used before, and this is what was answered.
-    Answered {
-        request_hash: Vec<u8>,
-        status: u16,
-        body: Vec<u8>,
-    },
-}
-
-/// Claims an `Idempotency-Key`. A concurrent request with the same key waits here, on the
-/// row lock, until the first one commits (then it replays) or rolls back (then it runs).
-async fn claim_key(conn: &mut PgConnection, plugin: &str, key: &str, hash: &[u8]) -> sqlx::Result<Claim> {
-    let inserted = sqlx::query(
-        "INSERT INTO obx.idempotency_key (plugin, key, request_hash) VALUES ($1, $2, $3) \
-         ON CONFLICT (plugin, key) DO NOTHING",
-    )
-    .bind(plugin)
-    .bind(key)
-    .bind(hash)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if inserted == 1 {
-        return Ok(Claim::New);
-    }
-    let row =
-        sqlx::query("SELECT request_hash, status, response FROM obx.idempotency_key WHERE plugin = $1 AND key = $2")
-            .bind(plugin)
-            .bind(key)
-            .fetch_one(&mut *conn)
-            .await?;
-    Ok(Claim::Answered {
-        request_hash: row.get("request_hash"),
-        status: row.get::<Option<i16>, _>("status").unwrap_or(500) as u16,
-        body: row.get::<Option<Vec<u8>>, _>("response").unwrap_or_default(),
-    })
-}
-
-async fn store_answer(conn: &mut PgConnection, plugin: &str, key: &str, status: u16, body: &[u8]) -> sqlx::Result<()> {
-    sqlx::query("UPDATE obx.idempotency_key SET status = $3, response = $4 WHERE plugin = $1 AND key = $2")
-        .bind(plugin)
-        .bind(key)
-        .bind(status as i16)
-        .bind(body)
-        .execute(conn)
-        .await?;
-    Ok(())
 }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod conformance;
 pub mod db;
 pub mod dispatch;
+pub mod idempotency;
 pub mod inbox;
 pub mod kafka;
 pub mod outbox;

@@ -11,14 +11,25 @@
 //! so Postgres executes exactly what was checked. Statements are sent one at a time with
 //! the extended protocol, which also refuses several statements in one string.
 //!
-//! This is one of two walls. The other is Postgres itself: plugin statements run under the
-//! plugin's own role, which has no privilege on the host's schema or any other plugin's.
-//! The parser is what stops a plugin from leaving that role (`RESET ROLE`, `SET ROLE`,
-//! `set_config('role', ...)`) or the transaction (`COMMIT`).
+//! Before anything is parsed, a statement's size and shape are bounded: at most
+//! `limits.max_statement_bytes`, nested at most [`MAX_NESTING`] deep, and at most
+//! [`MAX_RUN_TOKENS`] tokens between two commas or brackets. The parser's own recursion
+//! limit guards parsing, but a flat chain such as `1+1+…` parses without recursion into a
+//! tree as deep as the chain, and walking, printing or dropping that tree recurses: on a
+//! Wasm host call's stack it would overflow. The bounds keep every tree shallow enough.
+//!
+//! This is defence in depth, not the wall. The wall is Postgres: plugin statements run on
+//! sessions logged in as the plugin's own role (`db::sessions`), which has no privilege on
+//! the host's schema or any other plugin's, and which `RESET ROLE` cannot leave. The parser
+//! keeps plugins to the statements the contract offers, refuses what would outlive the call
+//! on a pooled session (temporary objects, advisory locks, settings), and refuses function
+//! calls it cannot see by name: Postgres reads `(x).f` as `f(x)` (attribute notation).
 
 use std::ops::ControlFlow;
 
-use sqlparser::ast::{Expr, ObjectName, ObjectNamePart, ObjectType, SetExpr, Statement, TableFactor, Visit, Visitor};
+use sqlparser::ast::{
+    AccessExpr, Expr, Ident, ObjectName, ObjectNamePart, ObjectType, SetExpr, Statement, TableFactor, Visit, Visitor,
+};
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::keywords::Keyword;
 use sqlparser::parser::Parser;
@@ -42,9 +53,17 @@ enum Context {
     Migration,
 }
 
-/// Checks one handler statement and returns the text to run.
-pub fn check_handler_statement(sql: &str, own_schema: &str) -> Result<String, PolicyError> {
-    let statements = parse(sql, Context::Handler)?;
+/// How deeply brackets may nest in a statement.
+pub const MAX_NESTING: usize = 64;
+/// How many tokens may follow one another without a comma or bracket between them: this
+/// bounds the depth of an operator chain such as `1+1+…`.
+pub const MAX_RUN_TOKENS: usize = 1024;
+/// A migration may hold several statements: this many times `limits.max_statement_bytes`.
+const MIGRATION_STATEMENTS: usize = 16;
+
+/// Checks one handler statement of at most `max_bytes` bytes and returns the text to run.
+pub fn check_handler_statement(sql: &str, own_schema: &str, max_bytes: usize) -> Result<String, PolicyError> {
+    let statements = parse(sql, Context::Handler, max_bytes)?;
     if statements.len() > 1 {
         return Err(forbidden(
             "several statements in one call are not allowed; run them one at a time",
@@ -61,9 +80,11 @@ pub fn check_handler_statement(sql: &str, own_schema: &str) -> Result<String, Po
     Ok(statement.to_string())
 }
 
-/// Checks a migration (one or more statements) and returns the statements to run, in order.
-pub fn check_migration(sql: &str, own_schema: &str) -> Result<Vec<String>, PolicyError> {
-    let statements = parse(sql, Context::Migration)?;
+/// Checks a migration (one or more statements, each of at most `max_bytes` bytes in spirit:
+/// the whole may hold [`MIGRATION_STATEMENTS`] times that) and returns the statements to
+/// run, in order.
+pub fn check_migration(sql: &str, own_schema: &str, max_bytes: usize) -> Result<Vec<String>, PolicyError> {
+    let statements = parse(sql, Context::Migration, max_bytes.saturating_mul(MIGRATION_STATEMENTS))?;
     let mut out = Vec::with_capacity(statements.len());
     for statement in statements {
         if !is_data_statement(&statement) && !is_allowed_ddl(&statement) {
@@ -75,6 +96,7 @@ pub fn check_migration(sql: &str, own_schema: &str) -> Result<Vec<String>, Polic
             )));
         }
         check_created_names(&statement, own_schema)?;
+        check_not_temporary(&statement)?;
         check_tree(&statement, own_schema, Context::Migration)?;
         out.push(statement.to_string());
     }
@@ -85,13 +107,20 @@ fn forbidden(msg: &str) -> PolicyError {
     PolicyError::Forbidden(msg.to_string())
 }
 
-fn parse(sql: &str, context: Context) -> Result<Vec<Statement>, PolicyError> {
+fn parse(sql: &str, context: Context, max_bytes: usize) -> Result<Vec<Statement>, PolicyError> {
+    if sql.len() > max_bytes {
+        return Err(PolicyError::Forbidden(format!(
+            "the statement is {} bytes, over the limit of {max_bytes}",
+            sql.len()
+        )));
+    }
     let dialect = PostgreSqlDialect {};
     // Name the class of a forbidden statement even when the parser does not know its
     // syntax (DO blocks, LISTEN, ...): look at its first keyword.
     let tokens = Tokenizer::new(&dialect, sql)
         .tokenize()
         .map_err(|e| PolicyError::Invalid(format!("cannot tokenize the statement: {e}")))?;
+    check_shape(&tokens)?;
     if let Some(Token::Word(word)) = tokens.iter().find(|t| !matches!(t, Token::Whitespace(_))) {
         if let Some(reason) = forbidden_leading_keyword(word.keyword, context) {
             return Err(PolicyError::Forbidden(reason));
@@ -103,6 +132,45 @@ fn parse(sql: &str, context: Context) -> Result<Vec<Statement>, PolicyError> {
         return Err(PolicyError::Invalid("the statement is empty".into()));
     }
     Ok(statements)
+}
+
+/// Bounds nesting and the length of runs between commas and brackets, on the flat token list,
+/// before any tree is built (see the module's documentation).
+fn check_shape(tokens: &[Token]) -> Result<(), PolicyError> {
+    let too_deep = || {
+        PolicyError::Forbidden(format!(
+            "the statement nests or chains too deeply (at most {MAX_NESTING} levels of brackets and \
+             {MAX_RUN_TOKENS} tokens between commas or brackets)"
+        ))
+    };
+    // The run length of each open bracket level; the last is the current one.
+    let mut runs: Vec<usize> = vec![0];
+    for token in tokens {
+        match token {
+            Token::Whitespace(_) => {}
+            Token::LParen | Token::LBracket | Token::LBrace => {
+                *runs.last_mut().expect("never empty") += 1;
+                runs.push(0);
+                if runs.len() > MAX_NESTING {
+                    return Err(too_deep());
+                }
+            }
+            Token::RParen | Token::RBracket | Token::RBrace => {
+                if runs.len() > 1 {
+                    runs.pop();
+                }
+            }
+            Token::Comma | Token::SemiColon => *runs.last_mut().expect("never empty") = 0,
+            _ => {
+                let run = runs.last_mut().expect("never empty");
+                *run += 1;
+                if *run > MAX_RUN_TOKENS {
+                    return Err(too_deep());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn forbidden_leading_keyword(keyword: Keyword, context: Context) -> Option<String> {
@@ -189,6 +257,21 @@ fn check_created_names(statement: &Statement, own_schema: &str) -> Result<(), Po
         Some(name) => check_object_name(name, own_schema, "create"),
         None => Ok(()),
     }
+}
+
+/// Temporary objects outlive the call on a pooled session, and the temporary schema is
+/// searched before the plugin's own: refused, whatever the role may do.
+fn check_not_temporary(statement: &Statement) -> Result<(), PolicyError> {
+    let temporary = match statement {
+        Statement::CreateTable(t) => t.temporary,
+        Statement::CreateView(v) => v.temporary,
+        Statement::CreateSequence { temporary, .. } => *temporary,
+        _ => false,
+    };
+    if temporary {
+        return Err(forbidden("temporary tables, views and sequences are not allowed"));
+    }
+    Ok(())
 }
 
 /// Normalises one identifier the way Postgres does: unquoted names fold to lower case.
@@ -328,18 +411,60 @@ fn check_tree(statement: &Statement, own_schema: &str, context: Context) -> Resu
         }
 
         fn pre_visit_expr(&mut self, e: &Expr) -> ControlFlow<PolicyError> {
-            if let Expr::Function(f) = e {
-                if let Err(e) = check_function_name(&f.name, self.own_schema) {
-                    return ControlFlow::Break(e);
-                }
+            let checked = match e {
+                Expr::Function(f) => check_function_name(&f.name, self.own_schema),
+                Expr::CompoundFieldAccess { root, access_chain } => check_attribute_notation(root, access_chain),
+                // `t.f` calls f(t) when t is a table and f is not a column of it.
+                Expr::CompoundIdentifier(parts) => parts.last().map_or(Ok(()), check_field_name),
+                _ => Ok(()),
+            };
+            match checked {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(e) => ControlFlow::Break(e),
             }
-            ControlFlow::Continue(())
         }
     }
 
     match statement.visit(&mut Checker { own_schema, context }) {
         ControlFlow::Continue(()) => Ok(()),
         ControlFlow::Break(e) => Err(e),
+    }
+}
+
+/// `(x).f` is a call of `f(x)` when `x` has no field `f`. Allowed only on a column (a
+/// composite column's field, or an array element), and never with the name of a function
+/// that is denied by name.
+fn check_attribute_notation(root: &Expr, chain: &[AccessExpr]) -> Result<(), PolicyError> {
+    let plain_column = |e: &Expr| matches!(e, Expr::Identifier(_) | Expr::CompoundIdentifier(_));
+    let column_root = match root {
+        Expr::Nested(inner) => plain_column(inner),
+        other => plain_column(other),
+    };
+    let dotted = chain.iter().any(|a| matches!(a, AccessExpr::Dot(_)));
+    if dotted && !column_root {
+        return Err(forbidden(
+            "attribute notation `(x).f` is allowed only on a column: Postgres reads it as the call f(x)",
+        ));
+    }
+    for access in chain {
+        if let AccessExpr::Dot(field) = access {
+            match field {
+                Expr::Identifier(ident) => check_field_name(ident)?,
+                _ => return Err(forbidden("only a field name may follow `.`")),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A field name that is also a denied function's name is refused: `(col).pg_sleep` calls it.
+fn check_field_name(ident: &Ident) -> Result<(), PolicyError> {
+    match denied_function(&ident.value.to_lowercase()) {
+        Some(reason) => Err(PolicyError::Forbidden(format!(
+            "{}: attribute notation calls a function of that name; {reason}",
+            ident.value
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -363,8 +488,14 @@ fn check_set_expr(body: &SetExpr) -> Result<(), PolicyError> {
 mod tests {
     use super::*;
 
+    const MAX: usize = 64 * 1024;
+
     fn handler(sql: &str) -> Result<String, PolicyError> {
-        check_handler_statement(sql, "orders")
+        check_handler_statement(sql, "orders", MAX)
+    }
+
+    fn migration(sql: &str) -> Result<Vec<String>, PolicyError> {
+        check_migration(sql, "orders", MAX)
     }
 
     fn assert_forbidden(sql: &str, needle: &str) {
@@ -452,6 +583,91 @@ mod tests {
     }
 
     #[test]
+    fn attribute_notation_is_refused_except_on_columns() {
+        for sql in [
+            "SELECT ('SELECT set_config(''role'', ''none'', true)').ts_stat::text",
+            "SELECT (42).pg_advisory_lock",
+            "SELECT ($1).pg_sleep",
+            "SELECT (now()).x",
+            "SELECT ((SELECT 1)).x",
+        ] {
+            assert_forbidden(sql, "attribute notation");
+        }
+        // On a column, a denied function's name is refused all the same.
+        assert_forbidden("SELECT (n).pg_advisory_lock FROM counters", "pg_advisory_lock");
+        assert_forbidden("SELECT c.pg_sleep FROM counters c", "pg_sleep");
+        assert_forbidden("SELECT (c).lo_import FROM counters c", "lo_import");
+        for sql in [
+            "SELECT (c).name FROM counters c",
+            "SELECT (o.address).city FROM orders o",
+            "SELECT tags[1] FROM items",
+            "SELECT o.id FROM orders o",
+        ] {
+            handler(sql).unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+    }
+
+    #[test]
+    fn temporary_objects_are_refused() {
+        for sql in [
+            "CREATE TEMPORARY TABLE uuid (x int)",
+            "CREATE TEMP TABLE t (x int)",
+            "CREATE TEMP VIEW v AS SELECT 1",
+            "CREATE TEMP SEQUENCE s",
+        ] {
+            match migration(sql) {
+                Err(PolicyError::Forbidden(m)) => assert!(m.contains("temporary"), "{sql}: {m}"),
+                other => panic!("{sql}: expected Forbidden, got {other:?}"),
+            }
+        }
+        assert_forbidden("SELECT * FROM pg_temp.t", "own schema");
+        assert_forbidden("SELECT * FROM pg_temp_3.t", "own schema");
+    }
+
+    #[test]
+    fn size_and_shape_are_bounded_before_parsing() {
+        let chain = |n: usize| format!("SELECT {}", vec!["1"; n].join("+"));
+        assert_forbidden(&chain(50_000), "bytes");
+        assert_forbidden(&chain(MAX_RUN_TOKENS), "too deeply");
+        handler(&chain(MAX_RUN_TOKENS / 2 - 2)).unwrap();
+        assert_forbidden(
+            &format!("SELECT {}1{}", "(".repeat(MAX_NESTING), ")".repeat(MAX_NESTING)),
+            "too deeply",
+        );
+        assert_forbidden(&format!("SELECT 1{}", "::int".repeat(600)), "too deeply");
+        // Wide is fine: commas end a run.
+        handler(&format!("SELECT {}", vec!["1 + 1"; 5000].join(", "))).unwrap();
+        let values = vec!["(1, 'a', -1)"; 2000].join(", ");
+        migration(&format!(
+            "CREATE TABLE t (a int, b text, c int); INSERT INTO t VALUES {values}"
+        ))
+        .unwrap();
+    }
+
+    /// The deepest tree the bounds allow is checked, printed and dropped on a stack much
+    /// smaller than what a Wasm host call has left (the fiber's 2 MiB, less the guest's
+    /// at most 1 MiB).
+    #[test]
+    fn the_deepest_allowed_statement_fits_a_small_stack() {
+        let worst = [
+            format!("SELECT {}", vec!["1"; MAX_RUN_TOKENS / 2].join("+")),
+            format!("SELECT 1{}", "::int".repeat(MAX_RUN_TOKENS / 3)),
+            format!(
+                "SELECT x FROM t WHERE {}",
+                vec!["a = 1"; MAX_RUN_TOKENS / 4].join(" AND ")
+            ),
+            format!("SELECT {}1{}", "(".repeat(MAX_NESTING - 1), ")".repeat(MAX_NESTING - 1)),
+        ];
+        let checked = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || worst.iter().map(|sql| handler(sql).is_ok()).collect::<Vec<_>>())
+            .unwrap()
+            .join()
+            .expect("the check overflowed a 256 KiB stack");
+        assert_eq!(checked.len(), 4);
+    }
+
+    #[test]
     fn garbage_is_invalid() {
         assert!(matches!(handler("SELEC 1"), Err(PolicyError::Invalid(_))));
         assert!(matches!(handler(""), Err(PolicyError::Invalid(_))));
@@ -459,11 +675,10 @@ mod tests {
 
     #[test]
     fn migrations_allow_ddl_in_own_schema_only() {
-        let stmts = check_migration(
+        let stmts = migration(
             "CREATE TABLE orders (id uuid PRIMARY KEY, amount numeric(12,2) NOT NULL, \
              status text NOT NULL DEFAULT 'pending', created_at timestamptz NOT NULL DEFAULT now());\n\
              CREATE INDEX ix_orders_status ON orders(status);",
-            "orders",
         )
         .unwrap();
         assert_eq!(stmts.len(), 2);
@@ -483,7 +698,7 @@ mod tests {
             ("SET search_path = public", "SET"),
             ("BEGIN", "transaction control"),
         ] {
-            match check_migration(sql, "orders") {
+            match migration(sql) {
                 Err(PolicyError::Forbidden(m)) => assert!(m.contains(needle), "{sql}: {m}"),
                 other => panic!("{sql}: expected Forbidden, got {other:?}"),
             }

@@ -70,14 +70,10 @@ pub async fn run_database_gauges(
 }
 
 async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
-    let (backlog, oldest): (i64, Option<f64>) = sqlx::query_as(
-        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
-         FROM obx.outbox_event WHERE published_at IS NULL",
-    )
-    .fetch_one(pool)
-    .await?;
-    metrics::gauge!("obx_outbox_backlog").set(backlog as f64);
-    metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(oldest.unwrap_or(0.0));
+    let outbox = crate::outbox::backlog(pool).await?;
+    metrics::gauge!("obx_outbox_backlog").set(outbox.backlog as f64);
+    metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(outbox.oldest_unpublished_seconds.unwrap_or(0.0));
+    metrics::gauge!("obx_outbox_set_aside").set(outbox.rows_set_aside as f64);
     let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
         "SELECT p.name, \
                 (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \

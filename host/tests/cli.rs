@@ -74,7 +74,7 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
         (random, "not a WebAssembly file"),
         (core, "core WebAssembly module, not a component"),
         (truncated, "failed to compile"),
-        (plugin("other_world"), "does not fit the obx:plugin/plugin@0.1.0 world"),
+        (plugin("other_world"), "does not fit the obx:plugin/plugin@0.2.0 world"),
     ] {
         let (ok, _, stderr) = check(&file);
         assert!(!ok, "{} was accepted", file.display());

@@ -108,7 +108,7 @@ async fn postgres_over_tls_is_verified_and_encrypted() {
         ("ssl_key_file", &file("server.key")),
     ])
     .unwrap();
-    let base = format!("postgres://postgres@localhost:{}/postgres", pg.port());
+    let base = pg.url("postgres").replace("127.0.0.1", "localhost");
     let config = DatabaseConfig::default();
 
     for mode in [

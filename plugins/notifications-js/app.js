@@ -4,9 +4,9 @@
 // (notification.events, key = the order id), in the event's transaction.
 // Command ListNotifications {"orderId"} -> the notifications sent for the order.
 
-import { query, execute } from 'obx:plugin/sql@0.1.0';
-import { emit } from 'obx:plugin/outbox@0.1.0';
-import { log } from 'obx:plugin/log@0.1.0';
+import { query, execute } from 'obx:plugin/sql@0.2.0';
+import { emit } from 'obx:plugin/outbox@0.2.0';
+import { log } from 'obx:plugin/log@0.2.0';
 
 const MIGRATION_1 = `
 CREATE TABLE notifications (
@@ -45,6 +45,7 @@ export const handler = {
       version: '0.1.0',
       commands: ['ListNotifications'],
       subscriptions: [{ topic: 'shipping.events', eventTypes: ['ShipmentScheduled'], mode: 'dedup' }],
+      emits: [{ topic: 'notification.events', eventType: 'CustomerNotified' }],
       migrations: [{ id: 1, name: 'notifications', sql: MIGRATION_1 }],
     };
   },

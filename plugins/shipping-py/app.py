@@ -56,6 +56,7 @@ class Handler(exports.Handler):
                     mode=handler.DeliveryMode.DEDUP,
                 )
             ],
+            emits=[handler.EventDeclaration(topic="shipping.events", event_type="ShipmentScheduled")],
             migrations=[handler.Migration(id=1, name="shipments", sql=MIGRATION_1)],
         )
 

@@ -736,23 +736,15 @@ fn machine() -> String {
     format!("{cpus} CPUs ({model}), {:.0} GiB RAM", mem as f64 / 1024.0 / 1024.0)
 }
 
-/// The handler's statements, as the dispatcher runs them around a call: into the plugin's
-/// role, schema and timeouts; the insert; back to the host; the outbox row.
-const ENTER_PLUGIN: &str = "SELECT set_config('role', $1, true), set_config('search_path', $2, true), \
-     set_config('statement_timeout', '2000ms', true), set_config('lock_timeout', '1000ms', true), \
-     set_config('idle_in_transaction_session_timeout', '9000ms', true)";
+/// The handler's statement, as it runs on the plugin's own session.
 const INSERT_ORDER: &str = "INSERT INTO orders (id, customer_id, amount, status, items) \
      VALUES (COALESCE($1, gen_random_uuid()), $2, $3, 'pending', $4) ON CONFLICT (id) DO NOTHING RETURNING id";
-const LEAVE_PLUGIN: &str =
-    "SELECT set_config('role', 'none', true), set_config('search_path', '\"$user\", public', true)";
-const INSERT_EVENT: &str =
-    "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, \
-     topic, partition_key, plugin_name, plugin_version) \
-     VALUES ($1, 'Order', $2, 'OrderCreated', $3, 'order.events', $2, 'orders', '0.1.0')";
 
-/// Commands/s three ways, on one database: pgbench running the handler's SQL (the ceiling),
-/// the same logic as native Rust in the host's transaction shape, and the orders plugin's
-/// Wasm handler through the dispatcher (no HTTP in any of them; relay and consumers off).
+/// Commands/s three ways, on one database: pgbench running the handler's SQL on the plugin's
+/// own login (the ceiling), the same logic as native Rust in the host's transaction shape
+/// (a plugin session, the outbox through `obx_api.emit`, the session cleared with the
+/// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
+/// them; relay and consumers off).
 async fn commands(duration: Duration, clients: usize) -> Result<()> {
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
@@ -761,18 +753,21 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
     let mut config = env.config(&url, plugins.path());
     config.relay.enabled = false;
     config.consumer.enabled = false;
+    config.database.plugin_max_connections = clients as u32;
     let host = obx::app::start(config).await?;
     let pool = PgPool::connect(&url).await?;
-    let (schema, role): (String, String) =
-        sqlx::query_as("SELECT schema_name, role_name FROM obx.plugin WHERE name = 'orders'")
-            .fetch_one(&pool)
-            .await?;
+    let (schema, role, password): (String, String, String) = sqlx::query_as(
+        "SELECT p.schema_name, p.role_name, c.password FROM obx.plugin p \
+         JOIN obx.plugin_credential c ON c.role_name = p.role_name WHERE p.name = 'orders'",
+    )
+    .fetch_one(&pool)
+    .await?;
     let truncate = format!("TRUNCATE \"{schema}\".orders, obx.outbox_event CASCADE");
 
     sqlx::query(&truncate).execute(&pool).await?;
-    let pgbench = run_pgbench(&env, &url, &schema, &role, clients, duration).await?;
+    let pgbench = run_pgbench(&env, &url, (&role, &password), clients, duration).await?;
     sqlx::query(&truncate).execute(&pool).await?;
-    let native = native_orders(&url, &schema, &role, clients, duration).await?;
+    let native = native_orders(&host, clients, duration).await?;
     sqlx::query(&truncate).execute(&pool).await?;
     let wasm = wasm_orders(&host, clients, duration).await?;
     host.shutdown().await?;
@@ -780,7 +775,7 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
     out!("## Command throughput: CreateOrder, {clients} concurrent callers, {duration:?} each, no HTTP\n");
     out!("| | commands/s | ratio to pgbench |");
     out!("| --- | ---: | ---: |");
-    out!("| pgbench, the same SQL (ceiling) | {pgbench:.0} | 1.00 |");
+    out!("| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 |");
     out!(
         "| native Rust handler, the host's transaction shape | {native:.0} | {:.2} |",
         native / pgbench
@@ -803,11 +798,12 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
     Ok(())
 }
 
+/// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
+/// `obx_api.emit`, COMMIT, each a prepared statement.
 async fn run_pgbench(
     env: &Env,
     url: &str,
-    schema: &str,
-    role: &str,
+    (role, password): (&str, &str),
     clients: usize,
     duration: Duration,
 ) -> Result<f64> {
@@ -817,22 +813,18 @@ async fn run_pgbench(
         script.path(),
         format!(
             "BEGIN;\n\
-             SELECT set_config('role', '{role}', true), set_config('search_path', '\"{schema}\"', true), \
-             set_config('statement_timeout', '2000ms', true), set_config('lock_timeout', '1000ms', true), \
-             set_config('idle_in_transaction_session_timeout', '9000ms', true);\n\
              INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
              ON CONFLICT (id) DO NOTHING RETURNING id;\n\
-             {LEAVE_PLUGIN};\n\
-             INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, \
-             plugin_name, plugin_version) VALUES (gen_random_uuid(), 'Order', 'o', 'OrderCreated', '{payload}', \
-             'order.events', 'o', 'orders', '0.1.0');\n\
+             SELECT obx_api.emit('0.1.0', NULL, ARRAY[gen_random_uuid()], ARRAY['Order'], ARRAY['o'], \
+             ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
              COMMIT;\n"
         ),
     )?;
     let bindir = obx::db::embedded::find_bindir()?;
     let database = url.rsplit('/').next().unwrap_or("postgres").to_string();
     let mut cmd = std::process::Command::new(bindir.join("pgbench"));
-    cmd.args(["-n", "-M", "prepared", "-j", "2", "-h", "127.0.0.1", "-U", "postgres"])
+    cmd.args(["-n", "-M", "prepared", "-j", "2", "-h", "127.0.0.1", "-U", role])
+        .env("PGPASSWORD", password)
         .args(["-p", &env.pg.port().to_string(), "-c", &clients.to_string()])
         .args(["-T", &duration.as_secs().max(1).to_string(), "-f"])
         .arg(script.path())
@@ -853,17 +845,12 @@ async fn run_pgbench(
 }
 
 /// The orders handler's logic in native Rust, in the transaction shape the host gives a
-/// Wasm handler.
-async fn native_orders(url: &str, schema: &str, role: &str, clients: usize, duration: Duration) -> Result<f64> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(clients as u32)
-        .connect(url)
-        .await?;
-    let search_path = format!("\"{schema}\"");
+/// Wasm handler: the host's own plugin sessions, outbox writer and commit.
+async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration) -> Result<f64> {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
-        let (pool, role, search_path) = (pool.clone(), role.to_string(), search_path.clone());
+        let sessions = host.sessions.clone();
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
@@ -871,12 +858,7 @@ async fn native_orders(url: &str, schema: &str, role: &str, clients: usize, dura
                     serde_json::from_str(&json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string())?;
                 let customer = input["customerId"].as_str().unwrap_or_default().to_string();
                 let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
-                let mut tx = pool.begin().await?;
-                sqlx::query(ENTER_PLUGIN)
-                    .bind(&role)
-                    .bind(&search_path)
-                    .execute(&mut *tx)
-                    .await?;
+                let mut tx = sessions.begin("orders").await?;
                 let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
                     .bind(None::<uuid::Uuid>)
                     .bind(&customer)
@@ -884,17 +866,20 @@ async fn native_orders(url: &str, schema: &str, role: &str, clients: usize, dura
                     .bind(json!([]))
                     .fetch_one(&mut *tx)
                     .await?;
-                sqlx::query(LEAVE_PLUGIN).execute(&mut *tx).await?;
                 let payload = json!({
                     "orderId": id.to_string(), "customerId": customer,
                     "amount": amount.to_string(), "status": "pending", "items": [],
                 });
-                sqlx::query(INSERT_EVENT)
-                    .bind(uuid::Uuid::new_v4())
-                    .bind(id.to_string())
-                    .bind(payload)
-                    .execute(&mut *tx)
-                    .await?;
+                let event = obx::outbox::NewEvent {
+                    event_id: uuid::Uuid::now_v7(),
+                    aggregate_type: "Order".into(),
+                    aggregate_id: id.to_string(),
+                    event_type: "OrderCreated".into(),
+                    payload: payload.to_string(),
+                    topic: "order.events".into(),
+                    partition_key: id.to_string(),
+                };
+                obx::outbox::writer::insert(&mut tx, "0.1.0", None, &[event]).await?;
                 tx.commit().await?;
                 done += 1;
             }

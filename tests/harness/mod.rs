@@ -3,7 +3,8 @@
 //!
 //! * Postgres: `OBX_TEST_DATABASE_URL` (an admin URL to an existing server) if set,
 //!   otherwise one throwaway cluster per test process, started from the system's binaries.
-//!   Every test gets a database of its own.
+//!   Every test gets a database of its own, owned by [`HOST_USER`]: hosts run as a user
+//!   with `CREATEROLE` and no superuser rights, as in production.
 //! * Plugins: built by `cargo xtask test` into `plugins/target/wasm32-wasip2/release/`
 //!   (or `OBX_TEST_PLUGINS_DIR`).
 
@@ -16,52 +17,76 @@ use obx::db::embedded::EmbeddedPostgres;
 use serde_json::Value;
 use sqlx::PgPool;
 
+/// The database user test hosts run as: `CREATEROLE`, no superuser rights, and the owner of
+/// each test's database.
+pub const HOST_USER: &str = "obx_test_host";
+/// [`HOST_USER`]'s password.
+pub const HOST_PASSWORD: &str = "obx-test-host-password";
+
 /// A Postgres server for this test process.
 struct Server {
     admin_url: String,
-    /// `postgres://user@host:port` without a database, to build per-test URLs.
-    base: String,
+    /// `host:port`, to build per-test URLs.
+    address: String,
     _embedded: Option<EmbeddedPostgres>,
 }
 
 fn server() -> &'static Server {
     static SERVER: OnceLock<Server> = OnceLock::new();
     SERVER.get_or_init(|| {
-        if let Ok(url) = std::env::var("OBX_TEST_DATABASE_URL") {
-            let base = url
-                .rsplit_once('/')
-                .map(|(b, _)| b.to_string())
-                .expect("URL with a database");
-            return Server {
-                admin_url: url,
-                base,
-                _embedded: None,
-            };
-        }
-        let pg = EmbeddedPostgres::start(&[]).expect("starting a throwaway Postgres for the tests");
-        let admin_url = pg.url("postgres");
-        let base = format!("postgres://postgres@127.0.0.1:{}", pg.port());
+        let (admin_url, embedded) = match std::env::var("OBX_TEST_DATABASE_URL") {
+            Ok(url) => (url, None),
+            Err(_) => {
+                let pg = EmbeddedPostgres::start(&[]).expect("starting a throwaway Postgres for the tests");
+                (pg.url("postgres"), Some(pg))
+            }
+        };
+        let address = admin_url
+            .rsplit_once('@')
+            .and_then(|(_, rest)| rest.split('/').next())
+            .expect("an admin URL of the form postgres://user:password@host:port/db")
+            .to_string();
         Server {
             admin_url,
-            base,
-            _embedded: Some(pg),
+            address,
+            _embedded: embedded,
         }
     })
 }
 
-/// Creates an empty database for one test and returns its URL.
+/// A superuser's URL of the test server, for tests that set things up as an administrator.
+pub fn admin_url() -> String {
+    server().admin_url.clone()
+}
+
+/// Creates an empty database for one test, owned by [`HOST_USER`], and returns its URL as
+/// that user.
 pub async fn fresh_database() -> String {
+    use sqlx::Connection;
+    static HOST_USER_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     let server = server();
     let name = format!("obx_test_{}", uuid::Uuid::new_v4().simple());
-    let admin = PgPool::connect(&server.admin_url)
+    let mut admin = sqlx::PgConnection::connect(&server.admin_url)
         .await
         .expect("connecting to the test server");
-    sqlx::raw_sql(&format!("CREATE DATABASE {name}"))
-        .execute(&admin)
+    HOST_USER_READY
+        .get_or_init(|| async {
+            let mut admin = sqlx::PgConnection::connect(&server.admin_url).await.expect("admin");
+            obx::db::embedded::create_host_user(&mut admin, HOST_USER, HOST_PASSWORD)
+                .await
+                .expect("creating the test host's user");
+        })
+        .await;
+    obx::db::embedded::create_database(&mut admin, &name, HOST_USER)
         .await
         .expect("CREATE DATABASE");
-    admin.close().await;
-    format!("{}/{name}", server.base)
+    let _ = admin.close().await;
+    database_url(&name)
+}
+
+/// The URL of database `name` on the test server, as [`HOST_USER`].
+pub fn database_url(name: &str) -> String {
+    format!("postgres://{HOST_USER}:{HOST_PASSWORD}@{}/{name}", server().address)
 }
 
 /// The compiled component of example or test plugin `name`.
@@ -430,6 +455,36 @@ impl TestHost {
             .fetch_one(&self.db)
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// The database role of plugin `name`.
+    pub async fn plugin_role(&self, name: &str) -> String {
+        sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1")
+            .bind(name)
+            .fetch_one(&self.db)
+            .await
+            .unwrap_or_else(|e| panic!("no role for plugin {name}: {e}"))
+    }
+
+    /// A database session logged in as plugin `name`'s role, the way the host opens them:
+    /// what a plugin could do with any SQL at all, had it got past the SQL policy.
+    pub async fn plugin_session(&self, name: &str) -> sqlx::PgConnection {
+        use sqlx::{ConnectOptions, Row};
+        let row = sqlx::query(
+            "SELECT c.role_name, c.password FROM obx.plugin p \
+             JOIN obx.plugin_credential c ON c.role_name = p.role_name WHERE p.name = $1",
+        )
+        .bind(name)
+        .fetch_one(&self.db)
+        .await
+        .unwrap();
+        let options: sqlx::postgres::PgConnectOptions = self.database_url.parse().unwrap();
+        options
+            .username(row.get("role_name"))
+            .password(row.get("password"))
+            .connect()
+            .await
+            .expect("logging in as the plugin's role")
     }
 
     pub async fn shutdown(self) {

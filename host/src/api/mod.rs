@@ -70,15 +70,7 @@ async fn plugins(State(state): State<AppState>) -> Response {
 /// A summary of what the host is doing, for `obx status` and dashboards.
 async fn status(State(state): State<AppState>) -> Response {
     let db = async {
-        let outbox: (i64, Option<f64>) = sqlx::query_as(
-            "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 \
-             FROM obx.outbox_event WHERE published_at IS NULL",
-        )
-        .fetch_one(&state.pool)
-        .await?;
-        let failures: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_delivery_failure")
-            .fetch_one(&state.pool)
-            .await?;
+        let outbox = crate::outbox::backlog(&state.pool).await?;
         let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
             "SELECT p.name, \
                     (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
@@ -88,10 +80,9 @@ async fn status(State(state): State<AppState>) -> Response {
         )
         .fetch_all(&state.pool)
         .await?;
-        Ok::<_, sqlx::Error>((outbox, failures, per_plugin))
+        Ok::<_, sqlx::Error>((outbox, per_plugin))
     };
-    let Ok(Ok(((backlog, oldest), failures, per_plugin))) = tokio::time::timeout(Duration::from_secs(5), db).await
-    else {
+    let Ok(Ok((outbox, per_plugin))) = tokio::time::timeout(Duration::from_secs(5), db).await else {
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "database_unavailable",
@@ -114,7 +105,7 @@ async fn status(State(state): State<AppState>) -> Response {
     Json(json!({
         "ready": state.ready.load(Ordering::SeqCst),
         "plugins": state.registry.status(),
-        "outbox": { "backlog": backlog, "oldest_unpublished_seconds": oldest, "rows_failing": failures },
+        "outbox": outbox,
         "consumption": consumption,
     }))
     .into_response()

@@ -3,8 +3,11 @@
 //! uses it when `DATABASE_URL` is not set. It is for trying OBX out and for tests: its data
 //! is deleted when it stops.
 //!
-//! Invariant: the server never outlives the process that started it. It is spawned from a
-//! dedicated thread with `PR_SET_PDEATHSIG`, so even a SIGKILL of this process stops it.
+//! Invariants:
+//! * The server never outlives the process that started it. It is spawned from a dedicated
+//!   thread with `PR_SET_PDEATHSIG`, so even a SIGKILL of this process stops it.
+//! * Connections over TCP authenticate with SCRAM passwords, as on a real server: the
+//!   superuser's is random, and a plugin role's login is checked like anywhere else.
 
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
@@ -18,6 +21,8 @@ use anyhow::{bail, Context, Result};
 pub struct EmbeddedPostgres {
     dir: tempfile::TempDir,
     port: u16,
+    /// The password of the `postgres` superuser.
+    password: String,
     pid: u32,
     bindir: PathBuf,
     settings: Vec<(String, String)>,
@@ -36,18 +41,27 @@ impl EmbeddedPostgres {
             chown(dir.path(), uid, gid)?;
         }
         let data = dir.path().join("data");
+        let password = uuid::Uuid::new_v4().simple().to_string();
+        let pwfile = dir.path().join("pwfile");
+        std::fs::write(&pwfile, &password)?;
+        if let Some((uid, gid)) = run_as {
+            chown(&pwfile, uid, gid)?;
+        }
 
         let mut initdb = Command::new(bindir.join("initdb"));
         initdb
             .arg("-D")
             .arg(&data)
-            .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
+            .args(["-U", "postgres", "--auth-local=trust", "--auth-host=scram-sha-256"])
+            .arg(format!("--pwfile={}", pwfile.display()))
+            .args(["-E", "UTF8", "--no-sync"])
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some((uid, gid)) = run_as {
             initdb.uid(uid).gid(gid);
         }
         let out = initdb.output().context("running initdb")?;
+        let _ = std::fs::remove_file(&pwfile);
         if !out.status.success() {
             bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr).trim());
         }
@@ -58,6 +72,7 @@ impl EmbeddedPostgres {
         let pg = EmbeddedPostgres {
             dir,
             port,
+            password,
             pid,
             bindir,
             settings,
@@ -77,7 +92,7 @@ impl EmbeddedPostgres {
 
     /// The URL of database `db` on this cluster, as the `postgres` superuser.
     pub fn url(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+        format!("postgres://postgres:{}@127.0.0.1:{}/{db}", self.password, self.port)
     }
 
     pub fn port(&self) -> u16 {
@@ -126,6 +141,58 @@ impl Drop for EmbeddedPostgres {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Makes `user` the owner of a new database `db`, as a host should run (see
+/// [`create_host_user`]). `admin_url` is a superuser's. Returns the URL of `db` as `user`.
+pub async fn create_owner(admin_url: &str, user: &str, password: &str, db: &str) -> Result<String> {
+    use sqlx::Connection;
+    let mut admin = sqlx::PgConnection::connect(admin_url)
+        .await
+        .context("connecting as the superuser")?;
+    create_host_user(&mut admin, user, password).await?;
+    create_database(&mut admin, db, user).await?;
+    let base = admin_url.rsplit_once('@').map(|(_, rest)| rest).unwrap_or(admin_url);
+    let host = base.split('/').next().unwrap_or(base);
+    Ok(format!("postgres://{user}:{password}@{host}/{db}"))
+}
+
+/// Creates (or updates) the login role a host runs as: `CREATEROLE` and no superuser
+/// rights, allowed to set `temp_file_limit` for the roles it creates. `admin` is a
+/// superuser's connection.
+pub async fn create_host_user(admin: &mut sqlx::PgConnection, user: &str, password: &str) -> Result<()> {
+    let user_q = quote_ident(user);
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
+        .bind(user)
+        .fetch_one(&mut *admin)
+        .await?;
+    let verifier = super::scram::verifier(password);
+    let verb = if exists { "ALTER" } else { "CREATE" };
+    for sql in [
+        format!("{verb} ROLE {user_q} LOGIN CREATEROLE NOSUPERUSER PASSWORD '{verifier}'"),
+        format!("GRANT SET ON PARAMETER temp_file_limit TO {user_q}"),
+    ] {
+        match sqlx::Executor::execute(&mut *admin, sql.as_str()).await {
+            Ok(_) => {}
+            // Another process created the same role at the same moment.
+            Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42710" | "23505" | "XX000")) => {}
+            Err(e) => return Err(e).with_context(|| format!("setting up the host's user {user}")),
+        }
+    }
+    Ok(())
+}
+
+/// Creates database `db` owned by `owner`.
+pub async fn create_database(admin: &mut sqlx::PgConnection, db: &str, owner: &str) -> Result<()> {
+    let create = format!("CREATE DATABASE {} OWNER {}", quote_ident(db), quote_ident(owner));
+    sqlx::Executor::execute(&mut *admin, create.as_str())
+        .await
+        .with_context(|| format!("creating database {db}"))?;
+    Ok(())
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// Removes the directories of throwaway clusters whose server is gone: a process that was

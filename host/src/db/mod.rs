@@ -1,12 +1,17 @@
-//! Postgres: the connection pool, the host's own schema (`migrations/`), and the schema,
-//! role and migrations of each plugin ([`plugin_schema`]).
+//! Postgres: the host's connections and schema (`migrations/`), each plugin's role, schema
+//! and migrations ([`plugin_schema`]), and the sessions plugins run on ([`sessions`]).
 //!
-//! Invariant: host statements name host tables with the `obx.` schema and never run
-//! under a plugin's role; plugin statements run only under the plugin's role (see
-//! `runtime::host::sql`).
+//! Invariants:
+//! * Host connections pin `search_path` to `obx`: no user or schema name can redirect the
+//!   host's statements (the default `"$user", public` would put a schema named like the
+//!   host's user first). Host statements name host tables with `obx.` all the same.
+//! * Host connections never run plugin statements; plugin statements run only on plugin
+//!   sessions ([`sessions`]).
 
 pub mod embedded;
 pub mod plugin_schema;
+pub mod scram;
+pub mod sessions;
 
 use std::str::FromStr;
 
@@ -19,21 +24,125 @@ use crate::config::DatabaseConfig;
 /// The host's schema migrations, embedded from `migrations/` at build time.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
-/// Opens the pool. Each connection names itself `obx` in `pg_stat_activity`.
-pub async fn connect(url: &str, cfg: &DatabaseConfig) -> Result<PgPool> {
-    let options = PgConnectOptions::from_str(url)
+/// The options of every host connection to `url`: named `name` in `pg_stat_activity`, with
+/// the search path pinned to `obx`.
+pub fn host_options(url: &str, name: &str) -> Result<PgConnectOptions> {
+    Ok(PgConnectOptions::from_str(url)
         .context("parsing the database URL")?
-        .application_name("obx");
+        .application_name(name)
+        .options([("search_path", "obx")]))
+}
+
+/// Opens the host's pool.
+pub async fn connect(url: &str, cfg: &DatabaseConfig) -> Result<PgPool> {
     PgPoolOptions::new()
         .max_connections(cfg.max_connections)
         .acquire_timeout(cfg.acquire_timeout)
-        .connect_with(options)
+        .connect_with(host_options(url, "obx")?)
         .await
         .context("connecting to Postgres")
 }
 
 /// Applies the host's migrations. Safe to run from several hosts at once: sqlx takes an
-/// advisory lock around them.
+/// advisory lock around them. sqlx's own table lives in `obx` (see [`adopt_legacy_history`]).
 pub async fn migrate(pool: &PgPool) -> Result<()> {
-    MIGRATOR.run(pool).await.context("applying the host's migrations")
+    let mut conn = pool.acquire().await?;
+    // sqlx creates its table in the first schema of the (pinned) search path.
+    for attempt in 1.. {
+        match sqlx::query("CREATE SCHEMA IF NOT EXISTS obx").execute(&mut *conn).await {
+            Ok(_) => break,
+            // Another host created it at the same moment.
+            Err(e) if attempt < 3 && is_unique_violation(&e) => continue,
+            Err(e) => {
+                return Err(e).context(
+                    "creating schema obx (the host's database user needs CREATE on the database, \
+                     see docs/operations.md)",
+                )
+            }
+        }
+    }
+    adopt_legacy_history(&mut conn).await?;
+    MIGRATOR
+        .run(&mut *conn)
+        .await
+        .context("applying the host's migrations")?;
+    revoke_temporary(&mut conn).await;
+    Ok(())
+}
+
+/// Hosts before 0.2 kept sqlx's history in the first schema of the default search path,
+/// usually `public`. If it is there (and it is ours: migration 1 with our checksum), move it
+/// to `obx`, so that the migrations are not applied a second time.
+async fn adopt_legacy_history(conn: &mut sqlx::PgConnection) -> Result<()> {
+    let first = MIGRATOR.iter().next().context("no host migrations")?;
+    let legacy: Option<String> = sqlx::query_scalar(
+        "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relname = '_sqlx_migrations' AND n.nspname <> 'obx' AND c.relkind = 'r' \
+         ORDER BY n.nspname = 'public' DESC LIMIT 1",
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(schema) = legacy else {
+        return Ok(());
+    };
+    let table = format!("\"{}\"._sqlx_migrations", schema.replace('"', "\"\""));
+    let ours: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM {table} WHERE version = $1 AND checksum = $2)"
+    ))
+    .bind(first.version)
+    .bind(first.checksum.as_ref())
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap_or(false);
+    let ours_here: bool = sqlx::query_scalar(
+        "SELECT to_regclass('obx._sqlx_migrations') IS NOT NULL \
+         AND EXISTS (SELECT 1 FROM obx._sqlx_migrations WHERE version = $1)",
+    )
+    .bind(first.version)
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap_or(false);
+    if !ours || ours_here {
+        return Ok(());
+    }
+    tracing::info!(from = %schema, "moving the host's migration history into schema obx");
+    let moved = format!("BEGIN; DROP TABLE IF EXISTS obx._sqlx_migrations; ALTER TABLE {table} SET SCHEMA obx; COMMIT");
+    sqlx::Executor::execute(&mut *conn, moved.as_str())
+        .await
+        .context("moving the host's migration history into schema obx")?;
+    Ok(())
+}
+
+/// Temporary tables are searched before a session's own schema, and outlive a transaction:
+/// plugin roles must not be able to create them. Only the database's owner can revoke the
+/// right from `PUBLIC`; otherwise say what the operator should do.
+async fn revoke_temporary(conn: &mut sqlx::PgConnection) {
+    if !public_has_temp(&mut *conn).await {
+        return;
+    }
+    // A non-owner's REVOKE only warns, so check again after it.
+    let _ = sqlx::Executor::execute(
+        &mut *conn,
+        "DO $$ BEGIN EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database()); END $$",
+    )
+    .await;
+    if public_has_temp(&mut *conn).await {
+        tracing::warn!(
+            "PUBLIC may create temporary tables in this database; run `REVOKE TEMPORARY ON \
+             DATABASE <db> FROM PUBLIC` as its owner. Plugin sessions drop any they create, and \
+             the SQL policy refuses them, but the database should refuse them too"
+        );
+    }
+}
+
+async fn public_has_temp(conn: &mut sqlx::PgConnection) -> bool {
+    sqlx::query_scalar("SELECT has_database_privilege('public', current_database(), 'TEMPORARY')")
+        .fetch_one(conn)
+        .await
+        .unwrap_or(true)
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"))
 }

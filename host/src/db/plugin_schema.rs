@@ -1,18 +1,28 @@
-//! Each plugin's own corner of the database: a schema, a role, and the migrations from its
-//! manifest.
+//! Each plugin's own corner of the database: a login role, a schema, the events it may
+//! emit, and the migrations from its manifest.
 //!
 //! Invariants:
-//! * The plugin's role owns its schema and nothing else. It gets no privilege on `obx` or
-//!   on any other plugin's schema, and `PUBLIC` gets none on the plugin's schema.
-//! * Migrations run in one transaction per load, under the plugin's role, with the plugin's
-//!   schema as the search path, serialised across hosts by an advisory lock.
+//! * A plugin's role is `obx_<installation>_<plugin>`. It logs in with a password only the
+//!   host knows, owns the plugin's schema, may use the functions of `obx_api`, and has no
+//!   other privilege and no membership: it cannot reach `obx`, another plugin's schema, or
+//!   the host's role. Its settings (search path, timeouts, `work_mem`, `temp_file_limit`)
+//!   are the role's own, so a session starts confined.
+//! * A plugin's name is its schema's: it may not be the name of an existing role (whose
+//!   default search path, `"$user"`, would find the schema) or of a schema that is not
+//!   already the plugin's.
+//! * Migrations run on the plugin's own session, in one transaction per load, serialised
+//!   across hosts by a lock on the plugin's registry row.
 //! * An applied migration never changes: its SHA-256 is recorded, and a manifest whose
 //!   migration text differs, or that drops an applied migration, is refused.
 
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Row};
+use sqlx::{Executor, PgConnection, PgPool};
 
+use super::scram::verifier as scram_verifier;
+
+use super::sessions::{Login, Sessions};
+use crate::config::Limits;
 use crate::runtime::Manifest;
 
 /// Why a plugin's schema could not be prepared. The message is meant for the operator.
@@ -20,35 +30,72 @@ use crate::runtime::Manifest;
 #[error("{0}")]
 pub struct SchemaError(String);
 
-/// Creates the plugin's role and schema if needed, then applies its pending migrations.
-pub async fn prepare(pool: &PgPool, manifest: &Manifest) -> Result<(), SchemaError> {
-    prepare_inner(pool, manifest)
-        .await
-        .map_err(|e| SchemaError(format!("{e:#}")))
+/// Creates or updates the plugin's role, schema and declared events, registers its login
+/// with `sessions`, then applies its pending migrations.
+pub async fn prepare(
+    pool: &PgPool,
+    sessions: &Sessions,
+    manifest: &Manifest,
+    limits: &Limits,
+) -> Result<(), SchemaError> {
+    let result = async {
+        let login = provision(pool, manifest, limits).await?;
+        sessions.register(&manifest.name, login);
+        migrate(sessions, manifest).await
+    }
+    .await;
+    result.map_err(|e| SchemaError(format!("{e:#}")))
 }
 
-async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
-    let (name, schema, role) = (&manifest.name, manifest.schema(), manifest.role());
-    ensure_role(pool, &role).await?;
+/// The role of plugin `name` in this installation.
+pub async fn role_name(conn: &mut PgConnection, name: &str) -> Result<String> {
+    let installation: String = sqlx::query_scalar("SELECT id FROM obx.installation")
+        .fetch_one(conn)
+        .await
+        .context("reading the installation id")?;
+    Ok(format!("obx_{installation}_{name}"))
+}
 
+/// Everything the host does for a plugin as itself, in one transaction that holds the
+/// plugin's registry row: concurrent hosts loading the same plugin take turns.
+async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits) -> Result<Login> {
+    let name = &manifest.name;
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('obx.plugin.' || $1))")
+    let role = role_name(&mut tx, name).await?;
+    let registered: Option<String> = sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1 FOR UPDATE")
         .bind(name)
-        .execute(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await?;
+    if registered.is_none() {
+        check_name_is_free(&mut tx, name).await?;
+    }
     sqlx::query(
-        "INSERT INTO obx.plugin (name, schema_name, role_name) VALUES ($1, $2, $3) \
-         ON CONFLICT (name) DO NOTHING",
+        "INSERT INTO obx.plugin (name, schema_name, role_name, max_emits_per_call, max_payload_bytes, \
+                                 max_emit_bytes_per_call) \
+         VALUES ($1, $1, $2, $3, $4, $5) \
+         ON CONFLICT (name) DO UPDATE SET max_emits_per_call = EXCLUDED.max_emits_per_call, \
+             max_payload_bytes = EXCLUDED.max_payload_bytes, \
+             max_emit_bytes_per_call = EXCLUDED.max_emit_bytes_per_call",
     )
     .bind(name)
-    .bind(schema)
     .bind(&role)
+    .bind(limits.max_emits_per_call as i32)
+    .bind(i32::try_from(limits.max_payload_bytes).unwrap_or(i32::MAX))
+    .bind(limits.max_emit_bytes_per_call as i64)
     .execute(&mut *tx)
     .await?;
-    // Names were validated as [a-z][a-z0-9_]*, so quoting them is enough.
+    let password = ensure_login_role(&mut tx, &role).await?;
+    let settings = session_settings(name, limits);
+    if let Some(old) = registered.filter(|old| *old != role) {
+        adopt_legacy_role(&mut tx, name, &old, &role).await?;
+    }
+    configure_role(&mut tx, &role, &settings, limits).await?;
+    // Names were validated as [a-z][a-z0-9_]*, and the installation id as hex: quoting is enough.
     for ddl in [
-        format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\" AUTHORIZATION \"{role}\""),
-        format!("REVOKE ALL ON SCHEMA \"{schema}\" FROM PUBLIC"),
+        format!("CREATE SCHEMA IF NOT EXISTS \"{name}\" AUTHORIZATION \"{role}\""),
+        format!("REVOKE ALL ON SCHEMA \"{name}\" FROM PUBLIC"),
+        format!("GRANT USAGE ON SCHEMA obx_api TO \"{role}\""),
+        format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA obx_api TO \"{role}\""),
     ] {
         sqlx::query(&ddl)
             .persistent(false)
@@ -56,33 +103,197 @@ async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
             .await
             .with_context(|| ddl.clone())?;
     }
+    let (topics, types): (Vec<&str>, Vec<&str>) = manifest
+        .emits
+        .iter()
+        .map(|e| (e.topic.as_str(), e.event_type.as_str()))
+        .unzip();
+    sqlx::query(
+        "INSERT INTO obx.plugin_emit (plugin, topic, event_type) \
+         SELECT $1, t, e FROM unnest($2::text[], $3::text[]) AS d(t, e) ON CONFLICT DO NOTHING",
+    )
+    .bind(name)
+    .bind(&topics)
+    .bind(&types)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Login {
+        role,
+        password,
+        settings,
+    })
+}
 
-    let applied = sqlx::query("SELECT id, checksum FROM obx.plugin_migration WHERE plugin = $1 ORDER BY id")
+/// A new plugin may not take the name of a role (`"$user"` in that role's search path would
+/// find the schema), nor of a schema that exists already.
+async fn check_name_is_free(conn: &mut PgConnection, name: &str) -> Result<()> {
+    let (role, schema): (bool, bool) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1), \
+                EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+    )
+    .bind(name)
+    .fetch_one(conn)
+    .await?;
+    if role {
+        bail!("the name {name:?} is reserved: a database role of that name exists, and a schema named like a role is first in that role's search path");
+    }
+    if schema {
+        bail!("the name {name:?} is reserved: a schema of that name exists and does not belong to this plugin");
+    }
+    Ok(())
+}
+
+/// Creates the plugin's login role if needed, and returns its password. The password is
+/// random, stored where only the host can read it, and sent to the server as a SCRAM
+/// verifier, so it never appears in the server's statement log.
+async fn ensure_login_role(conn: &mut PgConnection, role: &str) -> Result<String> {
+    let stored: Option<String> = sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
+        .bind(role)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)")
+        .bind(role)
+        .fetch_one(&mut *conn)
+        .await?;
+    if let (Some(password), true) = (&stored, exists) {
+        return Ok(password.clone());
+    }
+    let password = random_hex(32);
+    let verifier = scram_verifier(&password);
+    let ddl = if exists {
+        format!("ALTER ROLE \"{role}\" LOGIN PASSWORD '{verifier}'")
+    } else {
+        format!("CREATE ROLE \"{role}\" LOGIN NOINHERIT NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD '{verifier}'")
+    };
+    sqlx::query(&ddl)
+        .persistent(false)
+        .execute(&mut *conn)
+        .await
+        .with_context(|| format!("creating role {role} (the host's database user needs CREATEROLE)"))?;
+    let member: bool = sqlx::query_scalar("SELECT pg_has_role(current_user, $1, 'MEMBER')")
+        .bind(role)
+        .fetch_one(&mut *conn)
+        .await?;
+    if !member {
+        // The host must be a member to create the plugin's schema for it, and to end its
+        // sessions; the plugin's role is a member of nothing.
+        sqlx::query(&format!("GRANT \"{role}\" TO CURRENT_USER"))
+            .persistent(false)
+            .execute(&mut *conn)
+            .await
+            .with_context(|| format!("granting role {role} to the host's user"))?;
+    }
+    sqlx::query(
+        "INSERT INTO obx.plugin_credential (role_name, password) VALUES ($1, $2) \
+         ON CONFLICT (role_name) DO UPDATE SET password = EXCLUDED.password",
+    )
+    .bind(role)
+    .bind(&password)
+    .execute(&mut *conn)
+    .await?;
+    Ok(password)
+}
+
+/// Hosts before 0.2 gave each plugin a role `obx_plugin_<name>` that could not log in. Its
+/// objects in this database pass to the new login role.
+async fn adopt_legacy_role(conn: &mut PgConnection, name: &str, old: &str, role: &str) -> Result<()> {
+    let old_exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)")
+        .bind(old)
+        .fetch_one(&mut *conn)
+        .await?;
+    if old_exists {
+        tracing::info!(plugin = %name, from = %old, to = %role, "moving the plugin's objects to its login role");
+        let old = old.replace('"', "\"\"");
+        sqlx::query(&format!("REASSIGN OWNED BY \"{old}\" TO \"{role}\""))
+            .persistent(false)
+            .execute(&mut *conn)
+            .await
+            .with_context(|| format!("reassigning the objects of role {old} to {role}"))?;
+    }
+    sqlx::query("UPDATE obx.plugin SET role_name = $2 WHERE name = $1")
         .bind(name)
+        .bind(role)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// The settings a plugin's sessions start with. All of them may be changed by a session
+/// itself (the SQL policy refuses SET and set_config, but the wall is elsewhere): they are
+/// defaults that keep a plugin's work bounded, not privileges.
+fn session_settings(schema: &str, limits: &Limits) -> Vec<(&'static str, String)> {
+    let ms = |d: std::time::Duration| format!("{}ms", d.as_millis());
+    // If the host ever stalls holding a transaction, Postgres ends it rather than let it pin
+    // the xmin horizon.
+    let idle = limits.call_deadline + limits.statement_timeout * 2;
+    vec![
+        ("search_path", schema.to_string()),
+        ("statement_timeout", ms(limits.statement_timeout)),
+        ("lock_timeout", ms(limits.lock_timeout)),
+        ("idle_in_transaction_session_timeout", ms(idle)),
+        ("work_mem", format!("{}kB", limits.work_mem_bytes / 1024)),
+        // A statement whose client went away (a call killed at its deadline) stops soon.
+        ("client_connection_check_interval", "1000ms".to_string()),
+    ]
+}
+
+/// The role's own settings, which every session of it starts with. They are written only
+/// when they differ, since they are shared catalog rows. `temp_file_limit` is one a plugin
+/// session cannot change at all (only a superuser, or a role granted it, may set it).
+async fn configure_role(
+    conn: &mut PgConnection,
+    role: &str,
+    session: &[(&'static str, String)],
+    limits: &Limits,
+) -> Result<()> {
+    let mut settings = session.to_vec();
+    settings.push(("temp_file_limit", format!("{}kB", limits.temp_file_bytes / 1024)));
+    let current: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(s.setconfig, '{}') FROM pg_catalog.pg_roles r \
+         LEFT JOIN pg_catalog.pg_db_role_setting s ON s.setrole = r.oid AND s.setdatabase = 0 \
+         WHERE r.rolname = $1",
+    )
+    .bind(role)
+    .fetch_one(&mut *conn)
+    .await?;
+    for (name, value) in settings {
+        if current.iter().any(|c| *c == format!("{name}={value}")) {
+            continue;
+        }
+        let ddl = format!("ALTER ROLE \"{role}\" SET {name} TO '{value}'");
+        // temp_file_limit needs a grant the host may not have; the rest must succeed.
+        sqlx::query("SAVEPOINT obx_role_setting").execute(&mut *conn).await?;
+        match sqlx::query(&ddl).persistent(false).execute(&mut *conn).await {
+            Ok(_) => {}
+            Err(e) if name == "temp_file_limit" => {
+                sqlx::query("ROLLBACK TO SAVEPOINT obx_role_setting")
+                    .execute(&mut *conn)
+                    .await?;
+                tracing::warn!(role, error = %e, "cannot set temp_file_limit for plugin sessions; a superuser can \
+                    allow it with `GRANT SET ON PARAMETER temp_file_limit TO <host user>`");
+            }
+            Err(e) => return Err(e).with_context(|| ddl.clone()),
+        }
+    }
+    Ok(())
+}
+
+/// Applies the plugin's pending migrations on its own session, and records them there.
+async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
+    let name = &manifest.name;
+    let mut tx = sessions.begin(name).await?;
+    // A migration may rewrite a large table: the role's statement timeout is for handlers.
+    (&mut *tx)
+        .execute("SET LOCAL statement_timeout = '10min'; SET LOCAL lock_timeout = '30s'")
+        .await?;
+    let applied: Vec<(i32, Vec<u8>)> = sqlx::query_as("SELECT id, checksum FROM obx_api.migrations_applied()")
         .fetch_all(&mut *tx)
         .await?;
-    let mut last_applied = None;
-    for row in &applied {
-        let id: i32 = row.get("id");
-        let checksum: Vec<u8> = row.get("checksum");
-        let Some(m) = manifest.migrations.iter().find(|m| m.id as i32 == id) else {
-            bail!(
-                "migration {id} was applied but is missing from the manifest of version {}",
-                manifest.version
-            );
-        };
-        if checksum != Sha256::digest(m.sql.as_bytes()).as_slice() {
-            bail!(
-                "migration {id} ({}) was changed after it was applied; add a new migration instead",
-                m.name
-            );
-        }
-        last_applied = Some(id);
-    }
-
+    let last_applied = check_applied(manifest, &applied)?;
     for m in &manifest.migrations {
         let id = m.id as i32;
-        if applied.iter().any(|r| r.get::<i32, _>("id") == id) {
+        if applied.iter().any(|(a, _)| *a == id) {
             continue;
         }
         if let Some(last) = last_applied.filter(|last| id < *last) {
@@ -91,14 +302,6 @@ async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
                 m.name
             );
         }
-        sqlx::query(
-            "SELECT set_config('role', $1, true), set_config('search_path', $2, true), \
-                    set_config('lock_timeout', '30s', true)",
-        )
-        .bind(&role)
-        .bind(format!("\"{schema}\""))
-        .execute(&mut *tx)
-        .await?;
         for statement in &m.statements {
             sqlx::query(statement)
                 .persistent(false)
@@ -106,60 +309,38 @@ async fn prepare_inner(pool: &PgPool, manifest: &Manifest) -> Result<()> {
                 .await
                 .map_err(|e| anyhow!("migration {id} ({}) failed: {}", m.name, db_message(&e)))?;
         }
-        sqlx::query(crate::dispatch::RESET_TO_HOST).execute(&mut *tx).await?;
-        sqlx::query(
-            "INSERT INTO obx.plugin_migration (plugin, id, name, checksum, plugin_version) \
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(name)
-        .bind(id)
-        .bind(&m.name)
-        .bind(Sha256::digest(m.sql.as_bytes()).as_slice())
-        .bind(&manifest.version)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query("SELECT obx_api.record_migration($1, $2, $3, $4)")
+            .bind(id)
+            .bind(&m.name)
+            .bind(Sha256::digest(m.sql.as_bytes()).as_slice())
+            .bind(&manifest.version)
+            .execute(&mut *tx)
+            .await?;
         tracing::info!(plugin = %name, migration = id, name = %m.name, "applied plugin migration");
     }
     tx.commit().await?;
     Ok(())
 }
 
-/// Roles are shared by every database of the cluster, so two hosts (or two test databases)
-/// may race to create the same one, or to grant it: whoever loses finds it done. The host's
-/// user must be a member of the role to `SET ROLE` to it (a superuser always is).
-async fn ensure_role(pool: &PgPool, role: &str) -> Result<()> {
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
-        .bind(role)
-        .fetch_one(pool)
-        .await?;
-    if !exists {
-        let create = format!("CREATE ROLE \"{role}\" NOLOGIN NOINHERIT");
-        match sqlx::query(&create).persistent(false).execute(pool).await {
-            Ok(_) => {}
-            Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42710" | "23505")) => {}
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("creating role {role} (the host's database user needs CREATEROLE)"))
-            }
+/// Every applied migration must still be in the manifest, unchanged. Returns the last one.
+fn check_applied(manifest: &Manifest, applied: &[(i32, Vec<u8>)]) -> Result<Option<i32>> {
+    let mut last_applied = None;
+    for (id, checksum) in applied {
+        let Some(m) = manifest.migrations.iter().find(|m| m.id as i32 == *id) else {
+            bail!(
+                "migration {id} was applied but is missing from the manifest of version {}",
+                manifest.version
+            );
+        };
+        if checksum.as_slice() != Sha256::digest(m.sql.as_bytes()).as_slice() {
+            bail!(
+                "migration {id} ({}) was changed after it was applied; add a new migration instead",
+                m.name
+            );
         }
+        last_applied = Some(*id);
     }
-    for attempt in 1.. {
-        let member: bool = sqlx::query_scalar("SELECT pg_has_role(current_user, $1, 'MEMBER')")
-            .bind(role)
-            .fetch_one(pool)
-            .await?;
-        if member {
-            return Ok(());
-        }
-        let grant = format!("GRANT \"{role}\" TO CURRENT_USER");
-        match sqlx::query(&grant).persistent(false).execute(pool).await {
-            Ok(_) => return Ok(()),
-            // "tuple concurrently updated": another host granted it at the same moment.
-            Err(_) if attempt < 5 => tokio::time::sleep(std::time::Duration::from_millis(20 * attempt)).await,
-            Err(e) => return Err(e).with_context(|| format!("granting role {role} to the host's user")),
-        }
-    }
-    unreachable!()
+    Ok(last_applied)
 }
 
 /// The database's own words about a failed migration statement, for the operator.
@@ -167,5 +348,26 @@ fn db_message(e: &sqlx::Error) -> String {
     match e {
         sqlx::Error::Database(d) => format!("{} ({})", d.message(), d.code().unwrap_or_default()),
         other => other.to_string(),
+    }
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut out = String::with_capacity(bytes * 2);
+    while out.len() < bytes * 2 {
+        out.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    }
+    out.truncate(bytes * 2);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_long_and_hex() {
+        let p = random_hex(32);
+        assert_eq!(p.len(), 64);
+        assert!(p.chars().all(|c| c.is_ascii_hexdigit()));
     }
 }

@@ -256,8 +256,9 @@ impl Lane {
         }
     }
 
-    /// Dedup mode: one transaction inserts the `processed_event` row, runs the handler and
-    /// commits both. A second delivery finds the row and does nothing.
+    /// Dedup mode: one transaction, on the plugin's own session, inserts the
+    /// `processed_event` row (through `obx_api.begin_event`), runs the handler and commits
+    /// both. A second delivery finds the row and does nothing.
     async fn handle_dedup(&self, event: &Incoming) -> Done {
         let started = std::time::Instant::now();
         let mut attempt = 1;
@@ -266,35 +267,27 @@ impl Lane {
                 return Done::Stopped;
             };
             let step = async {
-                let mut tx = self.pool().begin().await?;
+                let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
                 // One statement: is the key parked behind a dead letter, and if not, is this
                 // event new? (It records the event as processed, in this transaction.)
-                let (parked, fresh): (bool, bool) = sqlx::query_as(
-                    "WITH parked AS ( \
-                         SELECT $3::text IS NOT NULL AND EXISTS ( \
-                             SELECT 1 FROM obx.inbox_event \
-                             WHERE consumer = $1 AND topic = $4 AND partition_key = $3 AND NOT processed) AS p), \
-                     fresh AS ( \
-                         INSERT INTO obx.processed_event (consumer, event_id) \
-                         SELECT $1, $2 WHERE NOT (SELECT p FROM parked) \
-                         ON CONFLICT DO NOTHING RETURNING 1) \
-                     SELECT (SELECT p FROM parked), EXISTS (SELECT 1 FROM fresh)",
-                )
-                .bind(&self.plugin)
-                .bind(event.event_id)
-                .bind(&event.key)
-                .bind(&event.topic)
-                .fetch_one(&mut *tx)
-                .await?;
+                let (parked, fresh): (bool, bool) =
+                    sqlx::query_as("SELECT parked, fresh FROM obx_api.begin_event($1, $2, $3)")
+                        .bind(event.event_id)
+                        .bind(&event.topic)
+                        .bind(&event.key)
+                        .fetch_one(&mut *tx)
+                        .await?;
                 if parked {
+                    tx.rollback().await?;
                     // Wait behind the parked event of this key, in the inbox.
-                    store_in_inbox(&mut tx, &self.plugin, event).await?;
-                    tx.commit().await?;
+                    let mut conn = self.pool().acquire().await?;
+                    store_in_inbox(&mut conn, &self.plugin, event).await?;
                     self.inbox.notify();
                     metrics::counter!("obx_consumer_parked_behind_total", "plugin" => self.plugin.clone()).increment(1);
-                    return Ok::<_, sqlx::Error>(Step::Done);
+                    return Ok::<_, anyhow::Error>(Step::Done);
                 }
                 if !fresh {
+                    tx.rollback().await?;
                     metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
                     return Ok(Step::Done);
                 }

@@ -1,4 +1,5 @@
-//! Inbox processors. Each step takes one transaction that
+//! Inbox processors. Each step takes one transaction, on a session of the plugin's own
+//! role (the inbox bookkeeping goes through `obx_api`), that
 //!
 //! 1. claims the next inbox event that may run — unprocessed, not parked, not waiting for a
 //!    retry, and the oldest unprocessed event of its key on its topic — with
@@ -43,7 +44,6 @@ enum Outcome {
 }
 
 struct Claimed {
-    consumer: String,
     event_id: Uuid,
     attempts: i32,
     event: guest::Event,
@@ -71,7 +71,7 @@ impl Processor {
         }
     }
 
-    async fn step(&self) -> sqlx::Result<Outcome> {
+    async fn step(&self) -> anyhow::Result<Outcome> {
         let mut consumers: Vec<String> = self
             .registry
             .plugins()
@@ -92,75 +92,27 @@ impl Processor {
         Ok(Outcome::Idle)
     }
 
-    async fn step_for(&self, consumer: &str) -> sqlx::Result<Outcome> {
-        let pool = &self.dispatcher.pool;
-        // The walk must follow (consumer, seq) and stop at the first event that may run; with
-        // stale statistics after a burst the planner may prefer to sort the whole inbox.
-        let mut tx = pool
-            .begin_with(
-                "BEGIN; SELECT set_config('enable_sort', 'off', true), set_config('enable_bitmapscan', 'off', true)",
-            )
-            .await?;
-        let row = sqlx::query(
-            "SELECT e.consumer, e.event_id, e.topic, e.payload::text AS payload, e.event_type, e.partition_key, \
-                    e.headers, e.attempts \
-             FROM obx.inbox_event e \
-             WHERE e.consumer = $1 AND NOT e.processed AND NOT e.parked \
-               AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now()) \
-               AND (e.partition_key IS NULL OR e.seq = ( \
-                    SELECT min(p.seq) FROM obx.inbox_event p \
-                    WHERE p.consumer = e.consumer AND p.topic = e.topic AND p.partition_key = e.partition_key \
-                      AND NOT p.processed)) \
-             ORDER BY e.seq \
-             LIMIT 1 \
-             FOR UPDATE OF e SKIP LOCKED",
-        )
-        .bind(consumer)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else {
-            tx.commit().await?;
+    /// One event of `consumer`, in one transaction on the plugin's own session.
+    async fn step_for(&self, consumer: &str) -> anyhow::Result<Outcome> {
+        let Some(plugin) = self.registry.get(consumer) else {
             return Ok(Outcome::Idle);
         };
-        let headers: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_value(row.get("headers")).unwrap_or_default();
-        let attempts: i32 = row.get("attempts");
-        let claimed = Claimed {
-            consumer: row.get("consumer"),
-            event_id: row.get("event_id"),
-            attempts,
-            event: guest::Event {
-                event_id: row.get::<Uuid, _>("event_id").to_string(),
-                event_type: row.get("event_type"),
-                topic: row.get("topic"),
-                key: row.get("partition_key"),
-                payload: row.get("payload"),
-                headers: headers
-                    .into_iter()
-                    .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
-                    .collect(),
-                attempt: attempts as u32 + 1,
-            },
-        };
-        let Some(plugin) = self.registry.get(&claimed.consumer) else {
-            tx.commit().await?;
+        let mut tx = self.dispatcher.sessions.begin(consumer).await?;
+        let Some(claimed) = claim(&mut tx).await? else {
+            tx.rollback().await?;
             return Ok(Outcome::Idle);
         };
 
         // Everything from here on can be undone, while the row stays locked: a failed
         // handler's attempt is recorded before any other processor can take the row.
         sqlx::query("SAVEPOINT obx_event").execute(&mut *tx).await?;
-        // processed_event too, so that a dedup-mode redelivery of this event is a no-op.
-        let fresh =
-            sqlx::query("INSERT INTO obx.processed_event (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-                .bind(&claimed.consumer)
-                .bind(claimed.event_id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        // Marked before the handler runs, in the same transaction: a failure undoes it.
-        mark_processed(&mut tx, &claimed).await?;
-        if fresh == 0 {
+        // Marked processed (and in processed_event, so that a dedup-mode redelivery is a
+        // no-op) before the handler runs, in the same transaction: a failure undoes it.
+        let fresh: bool = sqlx::query_scalar("SELECT obx_api.inbox_take($1)")
+            .bind(claimed.event_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !fresh {
             tx.commit().await?;
             return Ok(Outcome::Worked);
         }
@@ -177,72 +129,77 @@ impl Processor {
         {
             Ok((tx, emitted)) => {
                 self.dispatcher.commit_event(tx, emitted).await?;
-                metrics::counter!("obx_inbox_processed_total", "plugin" => claimed.consumer.clone()).increment(1);
+                metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string()).increment(1);
             }
-            Err(failure) => {
-                let attempts = claimed.attempts as u32 + 1;
-                tracing::warn!(consumer = %claimed.consumer, event_id = %claimed.event_id, attempts,
-                    error = %failure.error, "inbox event handler failed");
-                let Some(mut tx) = failure.tx else {
-                    // The transaction is gone, and the row lock with it: the next claim retries.
-                    return Ok(Outcome::Worked);
-                };
-                sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
-                sqlx::query(crate::dispatch::RESET_TO_HOST).execute(&mut *tx).await?;
-                if !failure.retriable || attempts >= self.config.max_attempts {
-                    sqlx::query(
-                        "UPDATE obx.inbox_event SET attempts = $3, last_error = $4, parked = true \
-                         WHERE consumer = $1 AND event_id = $2",
-                    )
-                    .bind(&claimed.consumer)
-                    .bind(claimed.event_id)
-                    .bind(attempts as i32)
-                    .bind(&failure.error)
-                    .execute(&mut *tx)
-                    .await?;
-                    let e = &claimed.event;
-                    super::dlq::record(
-                        &mut tx,
-                        &claimed.consumer,
-                        claimed.event_id,
-                        &e.topic,
-                        e.key.as_deref(),
-                        &e.event_type,
-                        &failure.error,
-                        attempts,
-                    )
-                    .await?;
-                    tracing::error!(consumer = %claimed.consumer, event_id = %claimed.event_id, attempts,
-                        "event parked in the dead-letter table");
-                } else {
-                    let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
-                    sqlx::query(
-                        "UPDATE obx.inbox_event SET attempts = $3, last_error = $4, \
-                                next_attempt_at = now() + make_interval(secs => $5) \
-                         WHERE consumer = $1 AND event_id = $2",
-                    )
-                    .bind(&claimed.consumer)
-                    .bind(claimed.event_id)
-                    .bind(attempts as i32)
-                    .bind(&failure.error)
-                    .bind(delay.as_secs_f64())
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                tx.commit().await?;
-            }
+            Err(failure) => self.settle_failure(consumer, &claimed, failure).await?,
         }
         Ok(Outcome::Worked)
     }
+
+    /// Records a failed attempt, under the row lock the claim took: a retry after a backoff,
+    /// or, past `consumer.max_attempts` or for a failure no retry can help, a dead letter.
+    async fn settle_failure(
+        &self,
+        consumer: &str,
+        claimed: &Claimed,
+        failure: crate::dispatch::EventFailure,
+    ) -> anyhow::Result<()> {
+        let attempts = claimed.attempts as u32 + 1;
+        tracing::warn!(consumer, event_id = %claimed.event_id, attempts,
+            error = %failure.error, "inbox event handler failed");
+        let Some(mut tx) = failure.tx else {
+            // The transaction is gone, and the row lock with it: the next claim retries.
+            return Ok(());
+        };
+        sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
+        let park = !failure.retriable || attempts >= self.config.max_attempts;
+        let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
+        sqlx::query("SELECT obx_api.inbox_fail($1, $2, $3, $4, $5)")
+            .bind(claimed.event_id)
+            .bind(attempts as i32)
+            .bind(&failure.error)
+            .bind(park)
+            .bind(delay.as_secs_f64())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        if park {
+            metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
+            tracing::error!(consumer, event_id = %claimed.event_id, attempts,
+                "event parked in the dead-letter table");
+        }
+        Ok(())
+    }
 }
 
-async fn mark_processed(conn: &mut sqlx::PgConnection, claimed: &Claimed) -> sqlx::Result<()> {
-    sqlx::query(
-        "UPDATE obx.inbox_event SET processed = true, processed_at = now() WHERE consumer = $1 AND event_id = $2",
+/// Claims the plugin's next event that may run, locking its row for the transaction.
+async fn claim(conn: &mut sqlx::PgConnection) -> sqlx::Result<Option<Claimed>> {
+    let row = sqlx::query(
+        "SELECT event_id, topic, payload, event_type, partition_key, headers, attempts FROM obx_api.inbox_claim()",
     )
-    .bind(&claimed.consumer)
-    .bind(claimed.event_id)
-    .execute(conn)
+    .fetch_optional(conn)
     .await?;
-    Ok(())
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let headers: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_value(row.get("headers")).unwrap_or_default();
+    let attempts: i32 = row.get("attempts");
+    let event_id: Uuid = row.get("event_id");
+    Ok(Some(Claimed {
+        event_id,
+        attempts,
+        event: guest::Event {
+            event_id: event_id.to_string(),
+            event_type: row.get("event_type"),
+            topic: row.get("topic"),
+            key: row.get("partition_key"),
+            payload: row.get("payload"),
+            headers: headers
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
+                .collect(),
+            attempt: attempts as u32 + 1,
+        },
+    }))
 }

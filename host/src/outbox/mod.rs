@@ -13,6 +13,39 @@ pub mod writer;
 
 use uuid::Uuid;
 
+/// The state of the outbox, for `obx status` and the metrics.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Backlog {
+    /// Rows not yet published (those set aside excluded).
+    pub backlog: i64,
+    /// Age of the oldest of them.
+    pub oldest_unpublished_seconds: Option<f64>,
+    /// Rows the broker refused that wait for another attempt.
+    pub rows_failing: i64,
+    /// Rows the broker refuses for good, set aside so that their key moves on.
+    pub rows_set_aside: i64,
+}
+
+/// Reads the [`Backlog`].
+pub async fn backlog(pool: &sqlx::PgPool) -> sqlx::Result<Backlog> {
+    let (backlog, oldest, failing, set_aside): (i64, Option<f64>, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE NOT coalesce(f.set_aside, false)), \
+                extract(epoch FROM now() - min(o.created_at) FILTER (WHERE NOT coalesce(f.set_aside, false)))::float8, \
+                count(f.outbox_id) FILTER (WHERE NOT f.set_aside), \
+                count(*) FILTER (WHERE f.set_aside) \
+         FROM obx.outbox_event o LEFT JOIN obx.outbox_delivery_failure f ON f.outbox_id = o.id \
+         WHERE o.published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Backlog {
+        backlog,
+        oldest_unpublished_seconds: oldest,
+        rows_failing: failing,
+        rows_set_aside: set_aside,
+    })
+}
+
 /// An event a handler emitted, validated, waiting for its transaction to commit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewEvent {

@@ -31,7 +31,7 @@ pub enum LoadError {
     Compile(String),
     #[error("compiling took longer than {0:?} (limits.compile_timeout)")]
     CompileTimeout(std::time::Duration),
-    #[error("the component does not fit the obx:plugin/plugin@0.1.0 world: {0}")]
+    #[error("the component does not fit the obx:plugin/plugin@0.2.0 world: {0}")]
     WrongWorld(String),
     #[error("reading the manifest failed: {0}")]
     Manifest(String),
@@ -88,6 +88,7 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         version: sha256[..12].to_string(),
         commands: vec![],
         subscriptions: vec![],
+        emits: vec![],
         migrations: vec![],
     };
     let raw = runtime
@@ -99,7 +100,9 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
             other => LoadError::Manifest(format!("{other:?}")),
         })?;
     let mut manifest = Manifest::from(raw);
-    manifest.validate().map_err(LoadError::InvalidManifest)?;
+    manifest
+        .validate(runtime.limits().max_statement_bytes)
+        .map_err(LoadError::InvalidManifest)?;
 
     Ok(Plugin {
         identity: Arc::new(PluginIdentity::new(&manifest)),

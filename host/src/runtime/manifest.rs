@@ -15,7 +15,16 @@ pub struct Manifest {
     pub version: String,
     pub commands: Vec<String>,
     pub subscriptions: Vec<Subscription>,
+    /// Every (topic, event type) the plugin may emit.
+    pub emits: Vec<EventDeclaration>,
     pub migrations: Vec<Migration>,
+}
+
+/// An event a plugin declares it emits.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Hash)]
+pub struct EventDeclaration {
+    pub topic: String,
+    pub event_type: String,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -61,6 +70,14 @@ impl From<guest::Manifest> for Manifest {
                     },
                 })
                 .collect(),
+            emits: m
+                .emits
+                .into_iter()
+                .map(|e| EventDeclaration {
+                    topic: e.topic,
+                    event_type: e.event_type,
+                })
+                .collect(),
             migrations: m
                 .migrations
                 .into_iter()
@@ -75,8 +92,12 @@ impl From<guest::Manifest> for Manifest {
     }
 }
 
-/// Schema names a plugin may not take.
-const RESERVED_NAMES: &[&str] = &["obx", "public", "information_schema"];
+/// Schema names a plugin may not take, besides those starting with `pg_` or `obx_`. The
+/// database adds its own: existing roles and schemas (see `db::plugin_schema`).
+const RESERVED_NAMES: &[&str] = &["obx", "public", "information_schema", "postgres"];
+
+/// Most events a manifest may declare.
+const MAX_DECLARED_EVENTS: usize = 1024;
 
 impl Manifest {
     /// The plugin's Postgres schema.
@@ -84,14 +105,16 @@ impl Manifest {
         &self.name
     }
 
-    /// The plugin's Postgres role.
-    pub fn role(&self) -> String {
-        format!("obx_plugin_{}", self.name)
+    /// Whether the manifest declares `event_type` on `topic`.
+    pub fn declares(&self, topic: &str, event_type: &str) -> bool {
+        self.emits
+            .iter()
+            .any(|e| e.topic == topic && e.event_type == event_type)
     }
 
     /// Checks the manifest and runs each migration through the SQL policy. On success the
     /// migrations carry the statements that will run.
-    pub fn validate(&mut self) -> Result<(), String> {
+    pub fn validate(&mut self, max_statement_bytes: usize) -> Result<(), String> {
         let name = &self.name;
         let name_ok = name.len() <= 40
             && name.starts_with(|c: char| c.is_ascii_lowercase())
@@ -103,7 +126,7 @@ impl Manifest {
                 "name {name:?} must be 1-40 characters of a-z, 0-9 and _, starting with a letter"
             ));
         }
-        if RESERVED_NAMES.contains(&name.as_str()) || name.starts_with("pg_") {
+        if RESERVED_NAMES.contains(&name.as_str()) || name.starts_with("pg_") || name.starts_with("obx_") {
             return Err(format!("name {name:?} is reserved"));
         }
         if self.version.is_empty()
@@ -140,6 +163,7 @@ impl Manifest {
                 return Err(format!("subscription to {:?} has an empty event type", s.topic));
             }
         }
+        self.validate_emits()?;
         let mut last = None;
         for m in &mut self.migrations {
             if last.is_some_and(|last| m.id <= last) {
@@ -153,11 +177,44 @@ impl Manifest {
             if m.name.is_empty() {
                 return Err(format!("migration {} has no name", m.id));
             }
-            m.statements = sql_policy::check_migration(&m.sql, &self.name)
+            m.statements = sql_policy::check_migration(&m.sql, &self.name, max_statement_bytes)
                 .map_err(|e| format!("migration {} ({}): {e}", m.id, m.name))?;
         }
         Ok(())
     }
+}
+
+impl Manifest {
+    fn validate_emits(&self) -> Result<(), String> {
+        if self.emits.len() > MAX_DECLARED_EVENTS {
+            return Err(format!("a manifest may declare at most {MAX_DECLARED_EVENTS} events"));
+        }
+        let mut seen = HashSet::new();
+        for e in &self.emits {
+            check_emitted_topic(&e.topic).map_err(|m| format!("emits: {m}"))?;
+            if e.event_type.is_empty() || e.event_type.len() > 1024 || e.event_type.contains('\0') {
+                return Err(format!(
+                    "emits: event type {:?} on {:?} must be 1-1024 bytes with no NUL",
+                    e.event_type, e.topic
+                ));
+            }
+            if !seen.insert(e) {
+                return Err(format!("emits: {} on {} is declared twice", e.event_type, e.topic));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A topic a plugin may emit to: a legal Kafka name, and not one of Kafka's own (`__…`).
+pub fn check_emitted_topic(topic: &str) -> Result<(), String> {
+    check_topic(topic)?;
+    if topic.starts_with("__") {
+        return Err(format!(
+            "topic {topic:?} starts with `__`, which Kafka keeps for itself"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -174,6 +231,10 @@ mod tests {
                 event_types: vec!["PaymentCaptured".into()],
                 mode: DeliveryMode::Dedup,
             }],
+            emits: vec![EventDeclaration {
+                topic: "order.events".into(),
+                event_type: "OrderCreated".into(),
+            }],
             migrations: vec![Migration {
                 id: 1,
                 name: "orders".into(),
@@ -186,9 +247,10 @@ mod tests {
     #[test]
     fn a_sound_manifest_passes() {
         let mut m = manifest();
-        m.validate().unwrap();
+        m.validate(64 * 1024).unwrap();
         assert_eq!(m.migrations[0].statements.len(), 1);
-        assert_eq!(m.role(), "obx_plugin_orders");
+        assert!(m.declares("order.events", "OrderCreated"));
+        assert!(!m.declares("order.events", "OrderDeleted"));
     }
 
     #[test]
@@ -198,6 +260,13 @@ mod tests {
             (Box::new(|m| m.name = "Orders".into()), "must be 1-40"),
             (Box::new(|m| m.name = "obx".into()), "reserved"),
             (Box::new(|m| m.name = "pg_x".into()), "reserved"),
+            (Box::new(|m| m.name = "obx_api".into()), "reserved"),
+            (Box::new(|m| m.name = "public".into()), "reserved"),
+            (Box::new(|m| m.name = "postgres".into()), "reserved"),
+            (Box::new(|m| m.emits[0].topic = "__consumer_offsets".into()), "`__`"),
+            (Box::new(|m| m.emits[0].topic = "a b".into()), "emits"),
+            (Box::new(|m| m.emits[0].event_type = "".into()), "event type"),
+            (Box::new(|m| m.emits.push(m.emits[0].clone())), "twice"),
             (Box::new(|m| m.version = "".into()), "version"),
             (Box::new(|m| m.commands.push("CreateOrder".into())), "twice"),
             (Box::new(|m| m.commands.push("a/b".into())), "command"),
@@ -221,7 +290,7 @@ mod tests {
         for (change, needle) in cases {
             let mut m = manifest();
             change(&mut m);
-            let e = m.validate().unwrap_err();
+            let e = m.validate(64 * 1024).unwrap_err();
             assert!(e.contains(needle), "{e}");
         }
     }

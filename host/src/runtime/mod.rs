@@ -21,12 +21,11 @@ pub mod registry;
 mod state;
 pub mod watcher;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use sqlx::{Postgres, Transaction};
 use tokio::sync::Semaphore;
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
@@ -35,6 +34,7 @@ use self::bindings::{guest, types::HandlerError};
 pub use self::manifest::Manifest;
 use self::state::{CallState, MemoryLimitExceeded};
 use crate::config::Limits;
+use crate::db::sessions::PluginTx;
 use crate::outbox::NewEvent;
 use crate::sql_policy::PolicyError;
 
@@ -64,13 +64,25 @@ pub(crate) struct PluginIdentity {
     pub name: String,
     pub version: String,
     pub schema: String,
-    pub role: String,
+    /// The event types the manifest declares, by topic.
+    emits: HashMap<String, HashSet<String>>,
     /// Statements already checked by the SQL policy, with their verdicts.
-    statements: Mutex<HashMap<String, Result<String, PolicyError>>>,
+    statements: Mutex<VerdictCache>,
 }
 
-/// How many checked statements a plugin's cache keeps before it is cleared.
-const STATEMENT_CACHE_SIZE: usize = 1024;
+/// Verdicts of the SQL policy by statement text, bounded in entries and in bytes: when
+/// either bound is reached the cache is cleared (a plugin that sends ever-new statements
+/// only pays for parsing them).
+#[derive(Default)]
+struct VerdictCache {
+    verdicts: HashMap<String, Result<String, PolicyError>>,
+    bytes: usize,
+}
+
+/// How many verdicts a plugin's cache keeps at most.
+const STATEMENT_CACHE_ENTRIES: usize = 1024;
+/// How many bytes of statement text (checked and printed back) a plugin's cache keeps at most.
+const STATEMENT_CACHE_BYTES: usize = 4 * 1024 * 1024;
 
 impl PluginIdentity {
     fn new(manifest: &Manifest) -> PluginIdentity {
@@ -78,23 +90,49 @@ impl PluginIdentity {
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             schema: manifest.schema().to_string(),
-            role: manifest.role(),
-            statements: Mutex::new(HashMap::new()),
+            emits: manifest.emits.iter().fold(HashMap::new(), |mut by_topic, e| {
+                by_topic
+                    .entry(e.topic.clone())
+                    .or_insert_with(HashSet::new)
+                    .insert(e.event_type.clone());
+                by_topic
+            }),
+            statements: Mutex::new(VerdictCache::default()),
         }
     }
 
+    /// Whether the manifest declares `event_type` on `topic`.
+    pub(crate) fn declares(&self, topic: &str, event_type: &str) -> bool {
+        self.emits.get(topic).is_some_and(|types| types.contains(event_type))
+    }
+
     /// Runs `sql` through the policy, remembering the verdict.
-    pub(crate) fn check_statement(&self, sql: &str) -> Result<String, PolicyError> {
-        let mut cache = self.statements.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(verdict) = cache.get(sql) {
+    pub(crate) fn check_statement(&self, sql: &str, limits: &Limits) -> Result<String, PolicyError> {
+        if let Some(verdict) = self.lock_cache().verdicts.get(sql) {
             return verdict.clone();
         }
-        let verdict = crate::sql_policy::check_handler_statement(sql, &self.schema);
-        if cache.len() >= STATEMENT_CACHE_SIZE {
-            cache.clear();
+        // Outside the lock: parsing a large statement must not hold up this plugin's other calls.
+        let verdict = crate::sql_policy::check_handler_statement(sql, &self.schema, limits.max_statement_bytes);
+        let size = sql.len() + verdict.as_ref().map_or(0, String::len);
+        let mut cache = self.lock_cache();
+        if cache.verdicts.len() >= STATEMENT_CACHE_ENTRIES || cache.bytes + size > STATEMENT_CACHE_BYTES {
+            cache.verdicts.clear();
+            cache.bytes = 0;
         }
-        cache.insert(sql.to_string(), verdict.clone());
+        if size <= STATEMENT_CACHE_BYTES && cache.verdicts.insert(sql.to_string(), verdict.clone()).is_none() {
+            cache.bytes += size;
+        }
         verdict
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, VerdictCache> {
+        self.statements.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes the verdict cache holds (for its test).
+    #[cfg(test)]
+    fn cached_bytes(&self) -> usize {
+        self.lock_cache().bytes
     }
 }
 
@@ -129,7 +167,7 @@ pub struct CallOutput<T> {
     pub result: Result<T, CallError>,
     /// The call's transaction, if the call ended with it intact; `None` after a deadline
     /// kill that interrupted a statement (the transaction was dropped, so it rolls back).
-    pub tx: Option<Transaction<'static, Postgres>>,
+    pub tx: Option<PluginTx>,
     /// Events emitted, in order; meaningful only when `result` is `Ok`.
     pub events: Vec<NewEvent>,
 }
@@ -195,12 +233,7 @@ impl Runtime {
     }
 
     /// Runs `handle-command` in `tx`. The caller commits or rolls back.
-    pub async fn handle_command(
-        &self,
-        plugin: &Plugin,
-        tx: Transaction<'static, Postgres>,
-        command: guest::Command,
-    ) -> CallOutput<String> {
+    pub async fn handle_command(&self, plugin: &Plugin, tx: PluginTx, command: guest::Command) -> CallOutput<String> {
         let request_id = command.request_id.clone();
         self.call(plugin, Some(tx), request_id, |p, store| {
             Box::pin(async move { p.obx_plugin_handler().call_handle_command(store, &command).await })
@@ -209,12 +242,7 @@ impl Runtime {
     }
 
     /// Runs `handle-event` in `tx`. The caller commits or rolls back.
-    pub async fn handle_event(
-        &self,
-        plugin: &Plugin,
-        tx: Transaction<'static, Postgres>,
-        event: guest::Event,
-    ) -> CallOutput<()> {
+    pub async fn handle_event(&self, plugin: &Plugin, tx: PluginTx, event: guest::Event) -> CallOutput<()> {
         let request_id = event.event_id.clone();
         self.call(plugin, Some(tx), request_id, |p, store| {
             Box::pin(async move { p.obx_plugin_handler().call_handle_event(store, &event).await })
@@ -258,13 +286,7 @@ impl Runtime {
         store
     }
 
-    async fn call<T, F>(
-        &self,
-        plugin: &Plugin,
-        tx: Option<Transaction<'static, Postgres>>,
-        request_id: String,
-        invoke: F,
-    ) -> CallOutput<T>
+    async fn call<T, F>(&self, plugin: &Plugin, tx: Option<PluginTx>, request_id: String, invoke: F) -> CallOutput<T>
     where
         F: for<'a> FnOnce(
             &'a bindings::Plugin,
@@ -293,8 +315,11 @@ impl Runtime {
         let outcome = match tokio::time::timeout(backstop, run).await {
             Ok(outcome) => outcome,
             Err(_) => {
-                // The future owned a borrow of the store only; dropping the transaction
-                // inside it rolls it back.
+                // The future owned a borrow of the store only. The session may be in the
+                // middle of a statement: it is closed and its backend terminated.
+                if let Some(tx) = store.into_data().tx {
+                    tx.abandon();
+                }
                 metrics::counter!("obx_plugin_traps_total", "plugin" => plugin.identity.name.clone(), "kind" => "deadline")
                     .increment(1);
                 return CallOutput {
@@ -370,4 +395,33 @@ fn start_epoch_ticker(engine: &Engine) {
             }
         })
         .expect("spawning the epoch thread");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plugin that sends ever-new large statements cannot grow the verdict cache past its
+    /// byte bound.
+    #[test]
+    fn the_verdict_cache_is_bounded_in_bytes() {
+        let manifest = Manifest {
+            name: "p".into(),
+            version: "1".into(),
+            commands: vec![],
+            subscriptions: vec![],
+            emits: vec![],
+            migrations: vec![],
+        };
+        let identity = PluginIdentity::new(&manifest);
+        let limits = Limits::default();
+        let columns = vec!["1"; 20_000].join(", ");
+        for i in 0..200 {
+            let sql = format!("SELECT {i}, {columns}");
+            assert!(sql.len() > 50_000 && sql.len() <= limits.max_statement_bytes);
+            identity.check_statement(&sql, &limits).unwrap();
+            assert!(identity.cached_bytes() <= STATEMENT_CACHE_BYTES);
+        }
+        assert!(identity.cached_bytes() > 0);
+    }
 }

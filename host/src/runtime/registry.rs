@@ -17,10 +17,12 @@ use sqlx::PgPool;
 use super::manifest::Subscription;
 use super::{loader, Plugin, Runtime};
 use crate::db::plugin_schema;
+use crate::db::sessions::Sessions;
 use crate::signal::Signal;
 
-#[derive(Default)]
 pub struct Registry {
+    /// Where each active plugin's login is registered.
+    sessions: Arc<Sessions>,
     active: ArcSwap<HashMap<String, Arc<Plugin>>>,
     /// What happened to each file, by path.
     files: Mutex<HashMap<PathBuf, FileState>>,
@@ -53,8 +55,13 @@ pub struct PluginStatus {
 }
 
 impl Registry {
-    pub fn new() -> Registry {
-        Registry::default()
+    pub fn new(sessions: Arc<Sessions>) -> Registry {
+        Registry {
+            sessions,
+            active: Default::default(),
+            files: Default::default(),
+            changed: Default::default(),
+        }
     }
 
     /// The active version of plugin `name`.
@@ -134,7 +141,7 @@ impl Registry {
         {
             return Err(format!("plugin {name:?} is already provided by {}", other.display()));
         }
-        plugin_schema::prepare(pool, &plugin.manifest)
+        plugin_schema::prepare(pool, &self.sessions, &plugin.manifest, runtime.limits())
             .await
             .map_err(|e| e.to_string())?;
         let plugin = Arc::new(plugin);

@@ -7,13 +7,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use sqlx::{Postgres, Transaction};
 use wasmtime::component::ResourceTable;
 use wasmtime::ResourceLimiter;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::PluginIdentity;
 use crate::config::Limits;
+use crate::db::sessions::PluginTx;
 use crate::outbox::NewEvent;
 
 pub struct CallState {
@@ -22,8 +22,9 @@ pub struct CallState {
     pub(super) limiter: MemoryLimiter,
     pub(super) plugin: Arc<PluginIdentity>,
     pub(super) limits: Arc<Limits>,
-    /// The host-owned transaction of this call; `None` while the manifest is read.
-    pub(super) tx: Option<Transaction<'static, Postgres>>,
+    /// The host-owned transaction of this call, on a session of the plugin's own role;
+    /// `None` while the manifest is read.
+    pub(super) tx: Option<PluginTx>,
     /// Events emitted so far; written to `outbox_event` in `tx` when the handler succeeds.
     pub(super) events: Vec<NewEvent>,
     /// Payload bytes of `events`.
@@ -40,7 +41,7 @@ impl CallState {
     pub(super) fn new(
         plugin: Arc<PluginIdentity>,
         limits: Arc<Limits>,
-        tx: Option<Transaction<'static, Postgres>>,
+        tx: Option<PluginTx>,
         deadline: Instant,
         request_id: String,
     ) -> CallState {

@@ -56,6 +56,7 @@ impl Guest for Hotswap {
             version: VERSION.into(),
             commands: vec!["version".into(), "work".into()],
             subscriptions,
+            emits: vec![],
             migrations: migrations(),
         }
     }

@@ -49,6 +49,7 @@ impl Guest for Inventory {
                 event_types: vec!["OrderCreated".into()],
                 mode: DeliveryMode::Dedup,
             }],
+            emits: obx_sdk::emits("inventory.events", &["ProductReserved", "ProductReservationFailed"]),
             migrations: vec![Migration {
                 id: 1,
                 name: "products and reservations".into(),

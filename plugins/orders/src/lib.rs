@@ -43,6 +43,7 @@ impl Guest for Orders {
             version: env!("CARGO_PKG_VERSION").into(),
             commands: vec!["CreateOrder".into()],
             subscriptions: vec![],
+            emits: obx_sdk::emits("order.events", &["OrderCreated"]),
             migrations: vec![Migration {
                 id: 1,
                 name: "orders".into(),

@@ -32,6 +32,7 @@ impl Guest for Payments {
                 event_types: vec!["ProductReserved".into()],
                 mode: DeliveryMode::Inbox,
             }],
+            emits: obx_sdk::emits("payment.events", &["PaymentRequested"]),
             migrations: vec![Migration {
                 id: 1,
                 name: "payments".into(),

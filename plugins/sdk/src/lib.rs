@@ -39,7 +39,7 @@ macro_rules! export_plugin {
 }
 
 pub use bindings::exports::obx::plugin::handler::{
-    Command, DeliveryMode, Event, Guest, Manifest, Migration, Subscription,
+    Command, DeliveryMode, Event, EventDeclaration, Guest, Manifest, Migration, Subscription,
 };
 pub use bindings::obx::plugin::log::Level;
 pub use bindings::obx::plugin::outbox::{EmitError, Event as OutboxEvent};
@@ -64,6 +64,17 @@ pub fn emit(event: &OutboxEvent) -> Result<String, EmitError> {
 /// Writes a line to the host's log.
 pub fn log(level: Level, message: &str) {
     bindings::obx::plugin::log::log(level, message)
+}
+
+/// Declares that the plugin emits `event_types` on `topic`, for [`Manifest::emits`].
+pub fn emits(topic: &str, event_types: &[&str]) -> Vec<EventDeclaration> {
+    event_types
+        .iter()
+        .map(|t| EventDeclaration {
+            topic: topic.into(),
+            event_type: (*t).into(),
+        })
+        .collect()
 }
 
 /// A business rejection (HTTP 409).

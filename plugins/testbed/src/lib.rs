@@ -49,6 +49,7 @@ impl Guest for Testbed {
                     mode: DeliveryMode::Inbox,
                 },
             ],
+            emits: declared_events(),
             migrations: vec![
                 Migration {
                     id: 1,
@@ -290,7 +291,32 @@ fn from_sql(v: &SqlValue) -> Value {
 
 /// Emits events and answers ok, stopping at the first error. Fields: `count` (default 1),
 /// or `keys` (one event per key, in order); `topic`, or `topics` (event i goes to
-/// `topics[i % n]`); `key`; `seq` (copied into each payload); `payload_bytes` (pads it).
+/// `topics[i % n]`); `event_type`; `key`; `seq` (copied into each payload); `payload_bytes`
+/// (pads it).
+/// The topics the testbed may emit to (tests pick one per purpose), each with every event
+/// type it emits. Anything else is refused by the host, which the hostile tests rely on.
+const TOPICS: &[&str] = &[
+    "testbed.events",
+    "testbed.inbox",
+    "testbed.saga",
+    "testbed.rollback",
+    "testbed.alpha",
+    "testbed.beta",
+    "testbed.gamma",
+    "testbed.order",
+    "testbed.outage",
+    "testbed.killed",
+    "testbed.replay",
+    "testbed.retention",
+];
+
+fn declared_events() -> Vec<obx_sdk::EventDeclaration> {
+    TOPICS
+        .iter()
+        .flat_map(|t| obx_sdk::emits(t, &["ItemEmitted", "ItemWritten", "Sequenced", "FollowUp"]))
+        .collect()
+}
+
 fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
     let strings = |v: &Value| -> Option<Vec<String>> {
         v.as_array()
@@ -319,7 +345,7 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             event_id: None,
             aggregate_type: "Item".into(),
             aggregate_id: key.clone().unwrap_or_else(|| format!("{id}-{i}")),
-            event_type: "ItemEmitted".into(),
+            event_type: p["event_type"].as_str().unwrap_or("ItemEmitted").into(),
             payload: payload.to_string(),
             topic: topics[i as usize % topics.len()].clone(),
             partition_key: key,

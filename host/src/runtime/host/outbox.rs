@@ -1,6 +1,11 @@
 //! `obx:plugin/outbox`: `emit` validates an event and buffers it in the call's state. The
 //! dispatcher writes the buffer to `outbox_event` in the call's transaction when the
 //! handler succeeds, so an event exists exactly when its call committed.
+//!
+//! An event must be one the manifest declares (topic and event type), and its payload must
+//! fit what the producer can send (`limits.max_payload_bytes` is checked against the
+//! producer's `message.max.bytes` at start): an event that could never be delivered is
+//! refused here, not at the broker. The database checks the same again (`obx_api.emit`).
 
 use crate::outbox::{EventError, RawEvent};
 use crate::runtime::bindings::outbox::{EmitError, Event, Host};
@@ -46,6 +51,12 @@ impl CallState {
             EventError::Invalid(m) => EmitError::Invalid(m),
             EventError::TooLarge(m) => EmitError::Limit(m),
         })?;
+        if !self.plugin.declares(&event.topic, &event.event_type) {
+            return Err(EmitError::Invalid(format!(
+                "{} on topic {:?} is not declared in the manifest's emits",
+                event.event_type, event.topic
+            )));
+        }
         if self.event_bytes + event.payload.len() > limits.max_emit_bytes_per_call {
             return Err(EmitError::Limit(format!(
                 "the events of one call may hold at most {} payload bytes",

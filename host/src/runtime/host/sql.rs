@@ -1,9 +1,11 @@
 //! `obx:plugin/sql`: one statement at a time on the call's transaction.
 //!
 //! Every statement passes the SQL policy first (`sql_policy`), and what runs is the text
-//! the policy printed back. Values travel only as bind parameters. The statement runs
-//! under the plugin's role and search path, which the dispatcher set with `SET LOCAL`
-//! before the call began. The first failure marks the call as unable to commit.
+//! the policy printed back. Values travel only as bind parameters. The statement runs on
+//! the call's session, logged in as the plugin's own role, with the role's search path and
+//! timeouts. A query's result is bounded in rows and in bytes, counted as rows arrive; past
+//! either bound the session is abandoned rather than drained. The first failure marks the
+//! call as unable to commit.
 
 use std::str::FromStr;
 
@@ -60,16 +62,20 @@ impl CallState {
             self.fail("the call deadline passed during SQL");
             return Err(SqlError::Timeout("the call deadline has passed".into()));
         }
-        let checked = self.plugin.check_statement(statement).map_err(|e| match e {
-            PolicyError::Forbidden(m) => SqlError::Forbidden(m),
-            PolicyError::Invalid(m) => SqlError::Invalid(m),
-        })?;
+        let checked = self
+            .plugin
+            .check_statement(statement, &self.limits)
+            .map_err(|e| match e {
+                PolicyError::Forbidden(m) => SqlError::Forbidden(m),
+                PolicyError::Invalid(m) => SqlError::Invalid(m),
+            })?;
         let (args, signature) = bind_all(params).map_err(SqlError::Invalid)?;
         // sqlx caches prepared statements by their text alone; the parameter types are part
         // of a prepared statement, so they must be part of the text too.
         let sql = format!("{checked} /* obx:{signature} */");
-        let max_rows = self.limits.max_rows as usize;
+        let (max_rows, max_bytes) = (self.limits.max_rows as usize, self.limits.max_result_bytes);
         let tx = self.tx.as_mut().expect("checked above");
+        let mut overflowed = false;
         let result = match mode {
             Mode::Execute => sqlx::query_with(&sql, args)
                 .execute(&mut **tx)
@@ -81,13 +87,17 @@ impl CallState {
                 let mut rows = Vec::new();
                 let mut columns = Vec::new();
                 let mut failed = None;
+                let mut bytes = 0usize;
                 loop {
                     match stream.try_next().await {
                         Ok(Some(row)) => {
-                            if rows.len() == max_rows {
+                            bytes += row_bytes(&row);
+                            if rows.len() == max_rows || bytes > max_bytes {
                                 failed = Some(SqlError::Limit(format!(
-                                    "the query returned more than {max_rows} rows; add a LIMIT"
+                                    "the query returned more than {max_rows} rows or {max_bytes} bytes; \
+                                     add a LIMIT or select less"
                                 )));
+                                overflowed = true;
                                 break;
                             }
                             if columns.is_empty() {
@@ -114,6 +124,10 @@ impl CallState {
                 }
             }
         };
+        if overflowed {
+            // The rest of the result is still coming: never read it.
+            tx.poison();
+        }
         if let Err(e) = &result {
             // The statement ran, or half ran: this call can only roll back now.
             self.fail(format!("a statement failed: {}", describe(e)));
@@ -230,6 +244,18 @@ where
 {
     signature.push(tag);
     args.add(value)
+}
+
+/// The bytes of a row's column values, as received.
+fn row_bytes(row: &PgRow) -> usize {
+    (0..row.len())
+        .map(|i| {
+            row.try_get_raw(i)
+                .ok()
+                .and_then(|v| v.as_bytes().ok())
+                .map_or(0, <[u8]>::len)
+        })
+        .sum()
 }
 
 fn describe_columns(row: &PgRow) -> Vec<wit::Column> {

@@ -1,0 +1,253 @@
+//! Plugin sessions: every statement of a plugin, and every host write in the same
+//! transaction, runs on a database session logged in as the plugin's own role. Each plugin
+//! has a small pool of such sessions, opened on demand.
+//!
+//! This is the wall that Postgres enforces: whatever SQL a plugin manages to run, it runs as
+//! a role that owns the plugin's schema, may call the functions of `obx_api`, and has no
+//! other privilege. `RESET ROLE` and `set_config('role', …)` leave it as itself, because its
+//! session user is itself.
+//!
+//! Invariants:
+//! * A plugin session is used only inside a transaction that the host began ([`PluginTx`]).
+//! * A session goes back to its pool only after a transaction that ended cleanly, with
+//!   everything a statement could leave on it cleared in the same round trip as the commit
+//!   or rollback: session advisory locks, cursors, `LISTEN`s, settings, temporary objects.
+//!   A session whose transaction did not end cleanly is closed, never reused; one that may
+//!   still be running a statement is also terminated.
+
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
+
+use crate::config::DatabaseConfig;
+
+/// How a plugin's role logs in, and the settings its sessions start with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Login {
+    pub role: String,
+    pub password: String,
+    /// The role's own settings again, as startup options: they come after any the database
+    /// URL carries, so the URL cannot loosen them.
+    pub settings: Vec<(&'static str, String)>,
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Login")
+            .field("role", &self.role)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The pools of plugin sessions, by plugin name.
+pub struct Sessions {
+    /// The database URL's options: plugin sessions reach the same server the same way
+    /// (host, port, TLS) as the host, as another user.
+    base: PgConnectOptions,
+    /// The host's own pool, to terminate a plugin session that was abandoned mid-statement.
+    host: PgPool,
+    max_connections: u32,
+    acquire_timeout: Duration,
+    pools: Mutex<HashMap<String, (Login, PgPool)>>,
+}
+
+/// Why a plugin session could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("plugin {0:?} has no database login on this host")]
+    Unknown(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Commits, after clearing what a statement could leave on the session. Every statement
+/// runs in the transaction, so the settings and temporary objects of a transaction that
+/// fails to commit are undone with it; session advisory locks are not transactional, and are
+/// released at once.
+const COMMIT: &str = "SELECT pg_catalog.pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; \
+                      DISCARD TEMP; DISCARD SEQUENCES; COMMIT";
+/// Rolls back (which undoes everything transactional), then releases session advisory locks.
+const ROLLBACK: &str = "ROLLBACK; SELECT pg_catalog.pg_advisory_unlock_all()";
+
+impl Sessions {
+    pub fn new(database_url: &str, host: PgPool, config: &DatabaseConfig) -> anyhow::Result<Sessions> {
+        let base =
+            PgConnectOptions::from_str(database_url).map_err(|e| anyhow::anyhow!("parsing the database URL: {e}"))?;
+        Ok(Sessions {
+            base,
+            host,
+            max_connections: config.plugin_max_connections,
+            acquire_timeout: config.acquire_timeout,
+            pools: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Records how plugin `name` logs in. A new login (a new role or password) gets a new
+    /// pool; the old one closes once its sessions are returned.
+    pub fn register(&self, name: &str, login: Login) {
+        let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+        if pools.get(name).is_some_and(|(current, _)| *current == login) {
+            return;
+        }
+        let options = self
+            .base
+            .clone()
+            .username(&login.role)
+            .password(&login.password)
+            .application_name(&format!("obx:{name}"))
+            .options(login.settings.iter().map(|(k, v)| (*k, v)));
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .min_connections(0)
+            .idle_timeout(Duration::from_secs(60))
+            .acquire_timeout(self.acquire_timeout)
+            .connect_lazy_with(options);
+        if let Some((_, old)) = pools.insert(name.to_string(), (login, pool)) {
+            tokio::spawn(async move { old.close().await });
+        }
+    }
+
+    /// Begins a transaction on a session of plugin `name`.
+    pub async fn begin(&self, name: &str) -> Result<PluginTx, SessionError> {
+        let (role, pool) = self
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), pool.clone()))
+            .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
+        let mut conn = pool.acquire().await?;
+        // A plain string goes over the simple protocol: both statements in one round trip.
+        let row = (&mut *conn)
+            .fetch_one("BEGIN; SELECT pg_catalog.pg_backend_pid()")
+            .await;
+        match row.and_then(|row| row.try_get::<i32, _>(0)) {
+            Ok(pid) => Ok(PluginTx {
+                conn: Some(conn),
+                pid,
+                role,
+                host: self.host.clone(),
+                poisoned: false,
+            }),
+            Err(e) => {
+                conn.close_on_drop();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Closes every pool (at shutdown).
+    pub async fn close(&self) {
+        let pools: Vec<PgPool> = self
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|(_, p)| p.clone())
+            .collect();
+        for pool in pools {
+            pool.close().await;
+        }
+    }
+}
+
+/// An open transaction on a plugin session. It derefs to the connection, for statements.
+/// End it with [`PluginTx::commit`] or [`PluginTx::rollback`]; dropped without either, its
+/// session is closed rather than returned to the pool.
+pub struct PluginTx {
+    conn: Option<PoolConnection<Postgres>>,
+    pid: i32,
+    role: Arc<str>,
+    host: PgPool,
+    /// The session may be in the middle of a result: it can only be abandoned.
+    poisoned: bool,
+}
+
+impl PluginTx {
+    /// Commits and clears the session. On error nothing was committed (the commit is the
+    /// last statement), and the session is closed.
+    pub async fn commit(mut self) -> sqlx::Result<()> {
+        if self.poisoned {
+            return Err(sqlx::Error::Protocol("the plugin session was abandoned".into()));
+        }
+        self.finish(COMMIT).await
+    }
+
+    /// Rolls back and clears the session. On error the session is closed.
+    pub async fn rollback(mut self) -> sqlx::Result<()> {
+        if self.poisoned {
+            return Ok(());
+        }
+        self.finish(ROLLBACK).await
+    }
+
+    async fn finish(&mut self, sql: &'static str) -> sqlx::Result<()> {
+        let conn = self.conn.as_mut().expect("open until consumed");
+        (&mut **conn).execute(sql).await?;
+        // Clean: back to the pool. On error, `Drop` closes it instead.
+        drop(self.conn.take());
+        Ok(())
+    }
+
+    /// Marks the session as unusable: it may be in the middle of a result or a statement.
+    /// It is then closed and its backend terminated, never drained.
+    pub fn poison(&mut self) {
+        self.poisoned = true;
+    }
+
+    /// Closes the session at once and terminates its backend, which may still be running a
+    /// statement (a call killed at its deadline, a result too large to read).
+    pub fn abandon(mut self) {
+        self.poisoned = true;
+    }
+}
+
+/// Closes a session without reading what it may still send, and terminates its backend.
+fn terminate(mut conn: PoolConnection<Postgres>, pid: i32, role: Arc<str>, host: PgPool) {
+    conn.close_on_drop();
+    drop(conn);
+    tokio::spawn(async move {
+        // Only a session of this plugin: the pid may already belong to another backend.
+        let _ = sqlx::query(
+            "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity \
+             WHERE pid = $1 AND usename = $2",
+        )
+        .bind(pid)
+        .bind(&*role)
+        .execute(&host)
+        .await;
+    });
+}
+
+impl Deref for PluginTx {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.conn.as_ref().expect("open until consumed")
+    }
+}
+
+impl DerefMut for PluginTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn.as_mut().expect("open until consumed")
+    }
+}
+
+impl Drop for PluginTx {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        if self.poisoned {
+            terminate(conn, self.pid, self.role.clone(), self.host.clone());
+        } else {
+            // Still in its transaction: never back to the pool.
+            conn.close_on_drop();
+        }
+    }
+}

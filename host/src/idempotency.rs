@@ -1,0 +1,47 @@
+//! `Idempotency-Key` records for commands, kept in `obx.idempotency_key` and written in the
+//! command's own transaction (through `obx_api`, since that transaction is the plugin's
+//! session): a stored answer exists exactly when the command's effects were committed.
+
+use sqlx::{PgConnection, Row};
+
+/// What claiming a key found.
+pub enum Claim {
+    /// The key is new: this request runs the handler.
+    New,
+    /// The key was used before, and this is what was answered.
+    Answered {
+        request_hash: Vec<u8>,
+        status: u16,
+        body: Vec<u8>,
+    },
+}
+
+/// Claims `key` for the session's plugin. A concurrent request with the same key waits
+/// here, on the row, until the first one commits (then it replays) or rolls back (then it
+/// runs).
+pub async fn claim(conn: &mut PgConnection, key: &str, request_hash: &[u8]) -> sqlx::Result<Claim> {
+    let row = sqlx::query("SELECT fresh, stored_hash, status, response FROM obx_api.claim_idempotency_key($1, $2)")
+        .bind(key)
+        .bind(request_hash)
+        .fetch_one(conn)
+        .await?;
+    if row.get::<bool, _>("fresh") {
+        return Ok(Claim::New);
+    }
+    Ok(Claim::Answered {
+        request_hash: row.get::<Option<Vec<u8>>, _>("stored_hash").unwrap_or_default(),
+        status: row.get::<Option<i16>, _>("status").unwrap_or(500) as u16,
+        body: row.get::<Option<Vec<u8>>, _>("response").unwrap_or_default(),
+    })
+}
+
+/// Stores the answer to a claimed key, in the command's transaction.
+pub async fn store_answer(conn: &mut PgConnection, key: &str, status: u16, body: &[u8]) -> sqlx::Result<()> {
+    sqlx::query("SELECT obx_api.store_idempotent_answer($1, $2, $3)")
+        .bind(key)
+        .bind(status as i16)
+        .bind(body)
+        .execute(conn)
+        .await?;
+    Ok(())
+}

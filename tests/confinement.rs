@@ -1,0 +1,490 @@
+//! Confinement that Postgres enforces. Every test here assumes the worst: a plugin that got
+//! any SQL it liked past the SQL policy. It runs on a session logged in as its own role, and
+//! that alone must keep it from the host's tables, other plugins' data and the host's
+//! privileges, and nothing it does on the session may outlive its call.
+
+use std::time::{Duration, Instant};
+
+use obx::runtime::manifest::{EventDeclaration, Manifest, Migration};
+use obx_tests::*;
+use serde_json::json;
+use sqlx::{Connection, PgConnection, Row};
+
+/// Runs `sql` on `session` and returns the SQLSTATE it failed with, or `None` if it worked.
+async fn sqlstate(session: &mut PgConnection, sql: &str) -> Option<String> {
+    match sqlx::raw_sql(sql).execute(&mut *session).await {
+        Ok(_) => None,
+        Err(e) => Some(
+            e.as_database_error()
+                .and_then(|d| d.code().map(|c| c.into_owned()))
+                .unwrap_or_else(|| format!("not a database error: {e}")),
+        ),
+    }
+}
+
+async fn scalar(session: &mut PgConnection, sql: &str) -> String {
+    sqlx::query_scalar::<_, String>(sql)
+        .fetch_one(&mut *session)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// The strongest SQL a plugin can get is a session of its own role with no policy at all.
+/// With it, it still cannot become anyone else, read or write `obx.*` or another plugin's
+/// schema, reach files, programs or other databases, create temporary objects, or use the
+/// host's functions for anything but itself.
+#[tokio::test]
+async fn a_plugin_with_any_sql_still_cannot_reach_the_host_or_another_plugin() {
+    let host = spawn_host(&["orders", "testbed"]).await;
+    let created = host
+        .command(
+            "orders",
+            "CreateOrder",
+            json!({ "customerId": "c-1", "amount": 5, "items": [] }),
+        )
+        .await;
+    assert_eq!(created.status, 200, "{}", created.text);
+    let role = host.plugin_role("testbed").await;
+    let mut s = host.plugin_session("testbed").await;
+
+    // It is itself, whatever it does to its role.
+    assert_eq!(scalar(&mut s, "SELECT session_user::text").await, role);
+    for escape in [
+        "RESET ROLE",
+        "SELECT set_config('role', 'none', false)",
+        "SET SESSION AUTHORIZATION DEFAULT",
+    ] {
+        let _ = sqlstate(&mut s, escape).await;
+        assert_eq!(
+            scalar(&mut s, "SELECT current_user::text").await,
+            role,
+            "after {escape}"
+        );
+    }
+    for (escape, code) in [
+        (format!("SET ROLE {HOST_USER}"), "42501"),
+        ("SET ROLE postgres".to_string(), "42501"),
+        ("SET SESSION AUTHORIZATION postgres".to_string(), "42501"),
+        (format!("GRANT {HOST_USER} TO CURRENT_USER"), "42501"),
+        ("ALTER ROLE CURRENT_USER SUPERUSER".to_string(), "42501"),
+        ("ALTER ROLE CURRENT_USER CREATEROLE".to_string(), "42501"),
+    ] {
+        assert_eq!(sqlstate(&mut s, &escape).await.as_deref(), Some(code), "{escape}");
+    }
+
+    // The host's tables and another plugin's, in every direction.
+    for sql in [
+        "SELECT * FROM obx.outbox_event",
+        "SELECT * FROM obx.plugin_credential",
+        "SELECT * FROM obx.idempotency_key",
+        "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
+         partition_key, plugin_name, plugin_version) VALUES (gen_random_uuid(), 'Payment', 'p', \
+         'PaymentCaptured', '{}', 'payment.events', 'p', 'payments', '1')",
+        "UPDATE obx.outbox_event SET published_at = now()",
+        "DELETE FROM obx.processed_event",
+        "SELECT * FROM orders.orders",
+        "UPDATE orders.orders SET amount = 0",
+        "CREATE TABLE orders.planted (x int)",
+        "CREATE VIEW testbed.peek AS SELECT * FROM orders.orders",
+        "SELECT obx.session_plugin()",
+    ] {
+        assert_eq!(sqlstate(&mut s, sql).await.as_deref(), Some("42501"), "{sql}");
+    }
+    // Whatever the server offers beyond its own schema.
+    for sql in [
+        "CREATE TEMPORARY TABLE uuid (x int)",
+        "CREATE SCHEMA evil",
+        "SELECT pg_read_file('/etc/passwd')",
+        "COPY (SELECT 1) TO PROGRAM 'true'",
+        "COPY testbed.items FROM '/etc/passwd'",
+        "SELECT lo_import('/etc/passwd')",
+        "CREATE EXTENSION dblink",
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename <> current_user",
+        "ALTER SCHEMA orders OWNER TO CURRENT_USER",
+        "DROP SCHEMA obx CASCADE",
+    ] {
+        let code = sqlstate(&mut s, sql).await;
+        assert!(
+            matches!(code.as_deref(), Some("42501" | "58P01" | "0A000")),
+            "{sql}: {code:?}"
+        );
+    }
+    // Its own schema is its own: a function there runs as the plugin, even as a definer.
+    assert_eq!(
+        sqlstate(
+            &mut s,
+            "CREATE FUNCTION testbed.whoami() RETURNS text SECURITY DEFINER LANGUAGE sql AS 'SELECT current_user::text'"
+        )
+        .await,
+        None
+    );
+    assert_eq!(scalar(&mut s, "SELECT testbed.whoami()").await, role);
+
+    // The host's functions act for the session's plugin only, and check what they are given.
+    let emit = |topic: &str, event_type: &str| {
+        format!(
+            "SELECT obx_api.emit('9.9.9', NULL, ARRAY[gen_random_uuid()], ARRAY['Item'], ARRAY['forged'], \
+             ARRAY['{event_type}'], ARRAY['{{}}'], ARRAY['{topic}'], ARRAY['forged'])"
+        )
+    };
+    for (topic, event_type) in [
+        ("__consumer_offsets", "ItemEmitted"),
+        ("payment.events", "PaymentCaptured"),
+        ("testbed.events", "Undeclared"),
+    ] {
+        assert_eq!(
+            sqlstate(&mut s, &emit(topic, event_type)).await.as_deref(),
+            Some("42501"),
+            "{topic} {event_type}"
+        );
+    }
+    assert_eq!(sqlstate(&mut s, &emit("testbed.events", "ItemEmitted")).await, None);
+    let plugin_of_forged: String =
+        sqlx::query_scalar("SELECT plugin_name FROM obx.outbox_event WHERE aggregate_id = 'forged'")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    assert_eq!(plugin_of_forged, "testbed", "an event is always its session's plugin's");
+    let _ = sqlstate(&mut s, "SELECT * FROM obx_api.claim_idempotency_key('stolen', '\\x00')").await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.idempotency_key WHERE key = 'stolen' AND plugin = 'testbed'")
+            .await,
+        1
+    );
+    let _ = s.close().await;
+
+    // The host serves both plugins as before.
+    let ok = host.command("testbed", "ok", json!({ "id": "after" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    assert_eq!(host.count("SELECT count(*) FROM orders.orders").await, 1);
+    host.shutdown().await;
+}
+
+/// Whatever a call leaves on its session (session advisory locks, settings, cursors, LISTEN,
+/// a transaction it never ended) is gone before the session serves another call.
+#[tokio::test]
+async fn nothing_a_call_leaves_on_its_session_survives_it() {
+    let host = spawn_host_with(&["testbed"], |c| c.database.plugin_max_connections = 1).await;
+    let sessions = host.host.sessions.clone();
+    let probe = "SELECT pg_backend_pid(), \
+        (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())::int4 AS locks, \
+        current_setting('work_mem') || ' ' || current_setting('statement_timeout') || ' ' || \
+        current_setting('search_path') AS settings, \
+        (SELECT count(*) FROM pg_cursors)::int4 AS cursors, \
+        (SELECT count(*) FROM pg_listening_channels())::int4 AS listens";
+    let clean = |row: &sqlx::postgres::PgRow| {
+        (
+            row.get::<i32, _>("locks"),
+            row.get::<String, _>("settings"),
+            row.get::<i32, _>("cursors"),
+            row.get::<i32, _>("listens"),
+        )
+    };
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let before = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+    let first_pid: i32 = before.get(0);
+    let expected = clean(&before);
+    assert_eq!(expected.0, 0);
+    for sql in [
+        "SELECT pg_advisory_lock(7)",
+        "SELECT pg_advisory_lock(hashtext('obx.plugin.testbed'))",
+        "SET work_mem = '512MB'",
+        "SET statement_timeout = 0",
+        "SELECT set_config('search_path', 'public', false)",
+        "DECLARE kept CURSOR WITH HOLD FOR SELECT 1",
+        "LISTEN obx_outbox",
+    ] {
+        sqlx::raw_sql(sql)
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    tx.commit().await.unwrap();
+
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(
+        after.get::<i32, _>(0),
+        first_pid,
+        "the pool of one gave the same session back"
+    );
+    assert_eq!(clean(&after), expected, "state survived a commit");
+
+    // The same after a rollback: session advisory locks are not transactional.
+    sqlx::raw_sql("SELECT pg_advisory_lock(8)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(after.get::<i32, _>(0), first_pid);
+    assert_eq!(clean(&after), expected, "state survived a rollback");
+
+    // A transaction that never ended (a lost call) closes its session: never reused.
+    sqlx::raw_sql("SELECT pg_advisory_lock(9)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    drop(tx);
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_ne!(
+        after.get::<i32, _>(0),
+        first_pid,
+        "an unfinished session went back to the pool"
+    );
+    assert_eq!(clean(&after), expected);
+    tx.rollback().await.unwrap();
+    eventually(Duration::from_secs(5), "the dropped session's lock is gone", || async {
+        host.count(
+            "SELECT count(*) FROM pg_locks \
+             WHERE locktype = 'advisory' AND classid = 0 AND objid = 9 AND objsubid = 1",
+        )
+        .await
+            == 0
+    })
+    .await;
+
+    // And through the host: calls keep working on the cleaned session.
+    let ok = host.command("testbed", "ok", json!({ "id": "clean" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    host.shutdown().await;
+}
+
+/// One plugin's slow calls use up its own sessions only: another plugin keeps answering.
+#[tokio::test]
+async fn a_slow_plugin_cannot_take_every_connection() {
+    let host = spawn_host_with(&["orders", "testbed"], |c| {
+        c.database.plugin_max_connections = 2;
+        c.database.acquire_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let host = std::sync::Arc::new(host);
+    // More calls that each hold a session until the call deadline (1.5 s) than the host
+    // has connections of its own (20 in tests): with one shared pool they would take all.
+    let slow: Vec<_> = (0..30)
+        .map(|i| {
+            let host = host.clone();
+            tokio::spawn(async move { host.command("testbed", "loop", json!({ "id": format!("s{i}") })).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    for i in 0..5 {
+        let a = host
+            .command(
+                "orders",
+                "CreateOrder",
+                json!({ "customerId": format!("c{i}"), "amount": 1, "items": [] }),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "orders waited behind testbed: {took:?}");
+    for call in slow {
+        // Each ran to its deadline, or waited for one of testbed's two sessions and gave up.
+        let a = call.await.unwrap();
+        assert!(matches!(a.code(), "deadline_exceeded" | "busy"), "{}", a.text);
+    }
+    std::sync::Arc::try_unwrap(host).ok().unwrap().shutdown().await;
+}
+
+fn manifest(name: &str, migrations: &[&str]) -> Manifest {
+    Manifest {
+        name: name.into(),
+        version: "1.0.0".into(),
+        commands: vec![],
+        subscriptions: vec![],
+        emits: vec![EventDeclaration {
+            topic: format!("{name}.events"),
+            event_type: "Happened".into(),
+        }],
+        migrations: migrations
+            .iter()
+            .enumerate()
+            .map(|(i, sql)| Migration {
+                id: i as u32 + 1,
+                name: format!("m{i}"),
+                sql: sql.to_string(),
+                statements: vec![],
+            })
+            .collect(),
+    }
+}
+
+/// A migration is checked before it runs, and runs on the plugin's own session: one that
+/// got past the policy meets the same wall as a handler.
+#[tokio::test]
+async fn hostile_migrations_are_refused_or_run_harmlessly() {
+    let host = spawn_host(&["testbed"]).await;
+    let limits = host.host.runtime.limits().clone();
+    let prepare = |m: Manifest| {
+        let (pool, sessions, limits) = (host.db.clone(), host.host.sessions.clone(), limits.clone());
+        async move { obx::db::plugin_schema::prepare(&pool, &sessions, &m, &limits).await }
+    };
+
+    // Refused by the policy, before anything runs.
+    let huge = format!("CREATE TABLE t (x int DEFAULT {})", vec!["1"; 1_000_000].join("+"));
+    let deep = format!("CREATE TABLE t (x int DEFAULT {})", vec!["1"; 20_000].join("+"));
+    for (sql, needle) in [
+        ("CREATE TEMPORARY TABLE uuid (x int)", "temporary"),
+        ("CREATE TEMP TABLE orders (x int)", "temporary"),
+        (
+            "CREATE TABLE t (x int DEFAULT (('x')).pg_advisory_lock)",
+            "attribute notation",
+        ),
+        (
+            "CREATE TABLE t (x text DEFAULT ('SELECT 1').ts_stat::text)",
+            "attribute notation",
+        ),
+        (huge.as_str(), "bytes"),
+        (deep.as_str(), "too deeply"),
+    ] {
+        let started = Instant::now();
+        let e = manifest("hostile", &[sql])
+            .validate(limits.max_statement_bytes)
+            .unwrap_err();
+        assert!(e.contains(needle), "{}: {e}", &sql[..sql.len().min(60)]);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "checking took {:?}",
+            started.elapsed()
+        );
+    }
+
+    // Past the policy (statements set by hand, as if it had a hole): Postgres refuses.
+    for sql in [
+        "SELECT set_config('role', 'none', true); CREATE TABLE obx.planted (x int)",
+        "RESET ROLE; INSERT INTO obx.outbox_event DEFAULT VALUES",
+        "CREATE TEMPORARY TABLE uuid (x int)",
+        "UPDATE testbed.items SET note = 'mine'",
+    ] {
+        let mut m = manifest("hostile", &[sql]);
+        m.migrations[0].statements = sql.split("; ").map(String::from).collect();
+        let e = prepare(m).await.unwrap_err().to_string();
+        assert!(e.contains("permission denied"), "{sql}: {e}");
+    }
+    assert_eq!(
+        host.count("SELECT count(*) FROM pg_class WHERE relname = 'planted' OR relpersistence = 't'")
+            .await,
+        0
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'hostile'")
+            .await,
+        0
+    );
+    // A sound one still applies, and the host still serves.
+    let mut m = manifest("hostile", &["CREATE TABLE notes (id int PRIMARY KEY)"]);
+    m.validate(limits.max_statement_bytes).unwrap();
+    prepare(m).await.unwrap();
+    let ok = host.command("testbed", "ok", json!({ "id": "still" })).await;
+    assert_eq!(ok.status, 200);
+    host.shutdown().await;
+}
+
+/// A plugin may not take a name that puts its schema in someone's search path: the host's
+/// user, any other role, an existing schema, or one the host keeps.
+#[tokio::test]
+async fn plugin_names_that_could_redirect_a_search_path_are_refused() {
+    let host = spawn_host(&["testbed"]).await;
+    let limits = host.host.runtime.limits().clone();
+    for name in ["obx", "public", "postgres", "pg_evil", "obx_api", "information_schema"] {
+        let e = manifest(name, &[]).validate(limits.max_statement_bytes).unwrap_err();
+        assert!(e.contains("reserved"), "{name}: {e}");
+    }
+    let mut admin = PgConnection::connect(&admin_url()).await.unwrap();
+    let role = format!("someone_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    sqlx::raw_sql(&format!("CREATE ROLE {role}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("CREATE SCHEMA squatted").execute(&host.db).await.unwrap();
+    for name in [HOST_USER, role.as_str(), "squatted"] {
+        let m = manifest(name, &[]);
+        let e = obx::db::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("reserved"), "{name}: {e}");
+    }
+    sqlx::raw_sql(&format!("DROP ROLE {role}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    host.shutdown().await;
+}
+
+/// A host whose database user is named `obx`, like the schema it keeps, restarts: its
+/// search path is pinned, so `"$user"` does not move sqlx's history between starts. A host
+/// from before the pin, whose history sits in `public`, has it moved, not replayed.
+#[tokio::test]
+async fn a_host_whose_user_is_named_obx_restarts() {
+    let mut admin = PgConnection::connect(&admin_url()).await.unwrap();
+    obx::db::embedded::create_host_user(&mut admin, "obx", "obx-user-password")
+        .await
+        .unwrap();
+    let db = format!("obx_named_{}", uuid::Uuid::new_v4().simple());
+    obx::db::embedded::create_database(&mut admin, &db, "obx")
+        .await
+        .unwrap();
+    let url = database_url(&db)
+        .replacen(HOST_USER, "obx", 1)
+        .replacen(HOST_PASSWORD, "obx-user-password", 1);
+    for start in 0..3 {
+        let host = spawn_host_on(&url, &["testbed"], |_| {}).await;
+        let ok = host
+            .command("testbed", "ok", json!({ "id": format!("start-{start}") }))
+            .await;
+        assert_eq!(ok.status, 200, "start {start}: {}", ok.text);
+        assert_eq!(
+            host.count("SELECT count(*) FROM pg_tables WHERE tablename = '_sqlx_migrations'")
+                .await,
+            1
+        );
+        assert_eq!(
+            host.count("SELECT count(*) FROM pg_tables WHERE tablename = '_sqlx_migrations' AND schemaname = 'obx'")
+                .await,
+            1
+        );
+        if start == 1 {
+            // As a host before the pin left it.
+            sqlx::raw_sql("ALTER TABLE obx._sqlx_migrations SET SCHEMA public")
+                .execute(&host.db)
+                .await
+                .unwrap();
+        }
+        host.shutdown().await;
+    }
+}
+
+/// Plugins emit only what their manifest declares, never to Kafka's own topics, and never a
+/// payload the producer could not send.
+#[tokio::test]
+async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
+    let host = spawn_host(&["testbed"]).await;
+    for (case, body) in [
+        ("an undeclared topic", json!({ "id": "a", "topic": "payment.events" })),
+        ("Kafka's own topic", json!({ "id": "b", "topic": "__consumer_offsets" })),
+        (
+            "an undeclared event type",
+            json!({ "id": "c", "topic": "testbed.events", "event_type": "PaymentCaptured" }),
+        ),
+        (
+            "a payload the producer cannot send",
+            json!({ "id": "d", "topic": "testbed.events", "payload_bytes": 1_040_000 }),
+        ),
+    ] {
+        let a = host.command("testbed", "emit", body).await;
+        assert_eq!((a.status, a.code()), (500, "transaction_aborted"), "{case}: {}", a.text);
+    }
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
+    let a = host
+        .command("testbed", "emit", json!({ "id": "e", "topic": "testbed.events" }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 1);
+    host.shutdown().await;
+}
