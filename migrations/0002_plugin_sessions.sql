@@ -32,26 +32,37 @@ ALTER TABLE obx.plugin
 
 -- The events a plugin declared in its manifests (every version ever loaded, so that hosts
 -- on different versions during a rolling deploy agree). obx_api.emit refuses any other;
--- the host also checks each call against the exact version that runs it.
+-- the host also checks each call against the exact version that runs it. An event type on a
+-- topic belongs to one plugin: another may not declare it, and so cannot forge it.
 CREATE TABLE obx.plugin_emit (
-    plugin      text        NOT NULL REFERENCES obx.plugin(name) ON DELETE CASCADE,
     topic       text        NOT NULL,
     event_type  text        NOT NULL,
+    plugin      text        NOT NULL REFERENCES obx.plugin(name) ON DELETE CASCADE,
     declared_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (plugin, topic, event_type)
+    PRIMARY KEY (topic, event_type)
 );
+CREATE INDEX ix_plugin_emit_plugin ON obx.plugin_emit(plugin);
 
 -- Outbox rows the broker refused for good (too large, an invalid topic): set aside, so that
--- they no longer hold up their key, and counted in `obx status` and the metrics.
-ALTER TABLE obx.outbox_delivery_failure ADD COLUMN set_aside boolean NOT NULL DEFAULT false;
+-- they no longer hold up their key, and counted in `obx status` and the metrics. A refused
+-- row holds up its key on its own topic only (Kafka orders a key within a topic), so that one
+-- plugin's refused rows cannot hold up another's under the same key.
+ALTER TABLE obx.outbox_delivery_failure
+    ADD COLUMN set_aside boolean NOT NULL DEFAULT false,
+    ADD COLUMN topic     text;
+UPDATE obx.outbox_delivery_failure f SET topic = o.topic FROM obx.outbox_event o WHERE o.id = f.outbox_id;
+ALTER TABLE obx.outbox_delivery_failure ALTER COLUMN topic SET NOT NULL;
+DROP INDEX obx.ix_outbox_delivery_failure_key;
+CREATE INDEX ix_outbox_delivery_failure_key ON obx.outbox_delivery_failure(topic, partition_key, outbox_id);
 CREATE INDEX ix_outbox_delivery_failure_set_aside ON obx.outbox_delivery_failure(outbox_id) WHERE set_aside;
 
 -- The functions plugin sessions call. Plugin roles get USAGE on this schema and EXECUTE on
 -- its functions, and nothing on schema obx.
 CREATE SCHEMA obx_api;
 REVOKE ALL ON SCHEMA obx_api FROM PUBLIC;
-ALTER DEFAULT PRIVILEGES IN SCHEMA obx_api REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
-ALTER DEFAULT PRIVILEGES IN SCHEMA obx REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+-- Functions the host creates from now on are not executable by PUBLIC (a per-schema default
+-- cannot take away the global one, so this is the host role's global default).
+ALTER DEFAULT PRIVILEGES REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
 
 -- The plugin whose role this session logged in as; an error for any other session.
 CREATE FUNCTION obx.session_plugin() RETURNS obx.plugin
@@ -117,7 +128,7 @@ BEGIN
         WHEN octet_length(e.payload) > v_plugin.max_payload_bytes
           THEN format('the payload is %s bytes, over the limit of %s', octet_length(e.payload),
                       v_plugin.max_payload_bytes)
-        WHEN e.topic IS NULL OR e.topic LIKE '\_\_%'
+        WHEN e.topic IS NULL OR left(e.topic, 2) = '__'
           OR NOT EXISTS (SELECT 1 FROM obx.plugin_emit d
                          WHERE d.plugin = v_plugin.name AND d.topic = e.topic AND d.event_type = e.event_type)
           THEN format('%s on topic %s is not declared in the manifest', e.event_type, e.topic)
@@ -273,3 +284,12 @@ BEGIN
     INSERT INTO obx.plugin_migration (plugin, id, name, checksum, plugin_version)
     VALUES ((obx.session_plugin()).name, p_id, left(p_name, 200), p_checksum, left(p_version, 64));
 END $$;
+
+-- And those that exist already.
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA obx FROM PUBLIC;
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA obx_api FROM PUBLIC;
+
+-- A rule for every later host migration: plugin roles can make objects of their own that
+-- depend on obx_api's functions (a view over one, say). Change a function with CREATE OR
+-- REPLACE and the same signature; to drop one, DROP ... CASCADE, which removes only such
+-- objects (a plugin that made them got past the SQL policy).

@@ -68,6 +68,8 @@ async fn a_plugin_with_any_sql_still_cannot_reach_the_host_or_another_plugin() {
         (format!("GRANT {HOST_USER} TO CURRENT_USER"), "42501"),
         ("ALTER ROLE CURRENT_USER SUPERUSER".to_string(), "42501"),
         ("ALTER ROLE CURRENT_USER CREATEROLE".to_string(), "42501"),
+        ("ALTER ROLE CURRENT_USER CONNECTION LIMIT -1".to_string(), "42501"),
+        ("ALTER ROLE CURRENT_USER RESET temp_file_limit".to_string(), "42501"),
     ] {
         assert_eq!(sqlstate(&mut s, &escape).await.as_deref(), Some(code), "{escape}");
     }
@@ -245,6 +247,43 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
             == 0
     })
     .await;
+
+    // A session where the plugin made a prepared statement (one could take the name of the
+    // host's own), or ended the host's transaction itself, is closed after the call.
+    for tamper in ["DO $$ BEGIN EXECUTE 'PREPARE planted AS SELECT 1'; END $$", "COMMIT"] {
+        let mut tx = sessions.begin("testbed").await.unwrap();
+        let pid = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap().get::<i32, _>(0);
+        sqlx::raw_sql(tamper).execute(&mut *tx).await.unwrap();
+        sqlx::raw_sql("SET search_path = public")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let mut tx = sessions.begin("testbed").await.unwrap();
+        let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+        assert_ne!(after.get::<i32, _>(0), pid, "{tamper}: the session was reused");
+        assert_eq!(clean(&after), expected, "{tamper}");
+        let planted = host
+            .count("SELECT count(*) FROM pg_prepared_statements WHERE from_sql")
+            .await;
+        assert_eq!(planted, 0);
+        tx.rollback().await.unwrap();
+    }
+    // A rollback clears what a plugin committed itself, too.
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    sqlx::raw_sql("COMMIT; SET search_path = public; LISTEN obx_outbox")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(
+        clean(&after),
+        expected,
+        "state a plugin committed itself survived a rollback"
+    );
+    tx.rollback().await.unwrap();
 
     // And through the host: calls keep working on the cleaned session.
     let ok = host.command("testbed", "ok", json!({ "id": "clean" })).await;
@@ -486,5 +525,121 @@ async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
         .await;
     assert_eq!(a.status, 200, "{}", a.text);
     assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 1);
+    host.shutdown().await;
+}
+
+/// A plugin may change its own role's password (Postgres lets every role); the host then sets
+/// a new one at its next login. Its role's connection limit is not the plugin's to change.
+#[tokio::test]
+async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
+    let host = spawn_host(&["testbed"]).await;
+    let role = host.plugin_role("testbed").await;
+    let limit = host
+        .count(&format!(
+            "SELECT rolconnlimit::int8 FROM pg_roles WHERE rolname = '{role}'"
+        ))
+        .await;
+    assert_eq!(limit, 64);
+    let mut s = host.plugin_session("testbed").await;
+    sqlx::raw_sql("ALTER ROLE CURRENT_USER PASSWORD 'chosen-by-the-author'")
+        .execute(&mut s)
+        .await
+        .unwrap();
+    let _ = s.close().await;
+    // Every open session of the plugin ends, so the host must log in again.
+    let mut admin = PgConnection::connect(&admin_url()).await.unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
+        .bind(&role)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let ok = host.command("testbed", "ok", json!({ "id": "relogin" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    // The author's password no longer works.
+    let options: sqlx::postgres::PgConnectOptions = host.database_url.parse().unwrap();
+    let chosen = sqlx::ConnectOptions::connect(&options.username(&role).password("chosen-by-the-author")).await;
+    assert!(chosen.is_err(), "the author's own password still logs in");
+    host.shutdown().await;
+}
+
+/// `pg_locks` is readable by every session, so a plugin with any SQL could find the relay's
+/// locks and take them, holding up every plugin's events. Its session is terminated, and the
+/// outbox keeps flowing.
+#[tokio::test]
+async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
+    let host = spawn_host(&["testbed"]).await;
+    let mut s = host.plugin_session("testbed").await;
+    // As an attacker would: the relay's namespace from pg_locks, then every shard and a
+    // thousand member locks (which would shrink each relay's share to one shard).
+    let mut space = None;
+    for _ in 0..100 {
+        space = sqlx::query_scalar::<_, i64>(
+            "SELECT classid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+             GROUP BY classid HAVING count(*) > 1 ORDER BY count(*) DESC LIMIT 1",
+        )
+        .fetch_optional(&mut s)
+        .await
+        .unwrap();
+        if space.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let space = space.expect("the relay holds its shards");
+    sqlx::query("SELECT pg_try_advisory_lock($1::int4, g) FROM generate_series(0, 63) g")
+        .bind(space)
+        .execute(&mut s)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
+        .bind(space)
+        .execute(&mut s)
+        .await
+        .unwrap();
+    let a = host
+        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    eventually(Duration::from_secs(20), "the event is published", || async {
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    // The relay looks at its lock space once a second.
+    let mut ended = false;
+    for _ in 0..100 {
+        if sqlx::query("SELECT 1").execute(&mut s).await.is_err() {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ended, "the intruding session is still alive after 10 s");
+    host.shutdown().await;
+}
+
+/// An event type on a topic is one plugin's: another may not declare it, and so cannot
+/// forge it, even under its own name.
+#[tokio::test]
+async fn a_plugin_may_not_declare_another_plugins_events() {
+    let host = spawn_host(&["orders", "testbed"]).await;
+    let limits = host.host.runtime.limits().clone();
+    let mut m = manifest("forger", &[]);
+    m.emits = vec![EventDeclaration {
+        topic: "order.events".into(),
+        event_type: "OrderCreated".into(),
+    }];
+    m.validate(limits.max_statement_bytes).unwrap();
+    let e = obx::db::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("emitted by plugin \"orders\""), "{e}");
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_emit WHERE plugin = 'forger'")
+            .await,
+        0
+    );
     host.shutdown().await;
 }

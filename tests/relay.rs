@@ -514,3 +514,54 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     assert_eq!(status.body["outbox"]["backlog"], 0, "{}", status.text);
     host.shutdown().await;
 }
+
+/// A row that waits for another attempt holds up the later rows of its key on its own topic
+/// only: a key is ordered within a topic, and another topic may be another plugin's.
+#[tokio::test]
+async fn a_refused_row_holds_up_its_key_on_its_topic_only() {
+    let host = spawn_host(&["testbed"]).await;
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "first", "topic": topic("alpha"), "key": "k" }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    all_published(&host, 1).await;
+    // As if the broker had refused a row of key k on testbed.alpha, to be tried in an hour.
+    sqlx::raw_sql(
+        "UPDATE obx.outbox_event SET published_at = NULL; \
+         INSERT INTO obx.outbox_delivery_failure (outbox_id, topic, partition_key, attempts, last_error, next_attempt_at) \
+         SELECT id, topic, partition_key, 1, 'refused', now() + interval '1 hour' FROM obx.outbox_event",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    for t in ["alpha", "beta"] {
+        let a = host
+            .command("testbed", "emit", json!({ "id": t, "topic": topic(t), "key": "k" }))
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+    }
+    eventually(
+        Duration::from_secs(20),
+        "key k on testbed.beta is published",
+        || async {
+            host.count(
+                "SELECT count(*) FROM obx.outbox_event WHERE topic = 'testbed.beta' AND published_at IS NOT NULL",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE topic = 'testbed.alpha' AND published_at IS NOT NULL")
+            .await,
+        0,
+        "key k on testbed.alpha went past its refused row"
+    );
+    host.shutdown().await;
+}

@@ -143,6 +143,10 @@ pub struct DatabaseConfig {
     /// role); opened on demand and closed after a minute idle. This also caps how many calls
     /// of one plugin run at once, so a slow plugin cannot take every connection.
     pub plugin_max_connections: u32,
+    /// Sessions a plugin's role may have open at once, across all hosts: its Postgres
+    /// `CONNECTION LIMIT`, which the plugin cannot change. At least `plugin_max_connections`
+    /// times the number of hosts.
+    pub plugin_role_connections: u32,
     /// How long a call waits for a free connection before it is refused with 503.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
@@ -154,6 +158,7 @@ impl Default for DatabaseConfig {
             url: None,
             max_connections: 16,
             plugin_max_connections: 8,
+            plugin_role_connections: 64,
             acquire_timeout: Duration::from_secs(5),
         }
     }
@@ -619,6 +624,12 @@ impl Config {
         }
         if self.database.plugin_max_connections == 0 {
             return invalid("database.plugin_max_connections", "must be at least 1");
+        }
+        if self.database.plugin_role_connections < self.database.plugin_max_connections {
+            return invalid(
+                "database.plugin_role_connections",
+                "must be at least database.plugin_max_connections",
+            );
         }
         if l.statement_timeout.is_zero() {
             return invalid(

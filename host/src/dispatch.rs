@@ -332,9 +332,10 @@ impl Dispatcher {
         };
 
         // A rejection or invalid input is an answer too: with an Idempotency-Key, record it
-        // (and nothing the handler did) so that a retry gets the same answer.
-        if let (Some((key, _)), CommandError::Rejected { .. } | CommandError::InvalidInput(_)) = (&idempotency, &error)
-        {
+        // (and nothing the handler did) so that a retry gets the same answer. Not on a session
+        // that had to be abandoned mid-result: the retry then runs the handler again.
+        let answerable = matches!(error, CommandError::Rejected { .. } | CommandError::InvalidInput(_));
+        if let (Some((key, _)), true, false) = (&idempotency, answerable, tx.is_poisoned()) {
             let body = serde_json::to_vec(&error.body()).expect("json");
             let stored = async {
                 sqlx::query("ROLLBACK TO SAVEPOINT obx_handler")

@@ -25,13 +25,16 @@ pub async fn claim(conn: &mut PgConnection, key: &str, request_hash: &[u8]) -> s
         .bind(request_hash)
         .fetch_one(conn)
         .await?;
-    if row.get::<bool, _>("fresh") {
+    // try_get: the row comes from the plugin's own session.
+    if row.try_get::<bool, _>("fresh")? {
         return Ok(Claim::New);
     }
     Ok(Claim::Answered {
-        request_hash: row.get::<Option<Vec<u8>>, _>("stored_hash").unwrap_or_default(),
-        status: row.get::<Option<i16>, _>("status").unwrap_or(500) as u16,
-        body: row.get::<Option<Vec<u8>>, _>("response").unwrap_or_default(),
+        request_hash: row.try_get::<Option<Vec<u8>>, _>("stored_hash")?.unwrap_or_default(),
+        status: row
+            .try_get::<Option<i16>, _>("status")?
+            .map_or(500, |s| s.clamp(100, 599) as u16),
+        body: row.try_get::<Option<Vec<u8>>, _>("response")?.unwrap_or_default(),
     })
 }
 

@@ -19,9 +19,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 use sqlx::{Executor, PgConnection, PgPool};
 
-use super::scram::verifier as scram_verifier;
-
-use super::sessions::{Login, Sessions};
+use super::login::{self, Login};
+use super::sessions::Sessions;
 use crate::config::Limits;
 use crate::runtime::Manifest;
 
@@ -39,13 +38,19 @@ pub async fn prepare(
     limits: &Limits,
 ) -> Result<(), SchemaError> {
     let result = async {
-        let login = provision(pool, manifest, limits).await?;
+        let login = provision(pool, manifest, limits, sessions.role_connection_limit()).await?;
         sessions.register(&manifest.name, login);
-        migrate(sessions, manifest).await
+        // Dropped past the deadline, the session is closed, and its backend stops.
+        tokio::time::timeout(MIGRATION_DEADLINE, migrate(sessions, manifest))
+            .await
+            .map_err(|_| anyhow!("the migrations ran past {MIGRATION_DEADLINE:?}"))?
     }
     .await;
     result.map_err(|e| SchemaError(format!("{e:#}")))
 }
+
+/// How long a plugin's migrations may take in all, statements and lock waits together.
+const MIGRATION_DEADLINE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 /// The role of plugin `name` in this installation.
 pub async fn role_name(conn: &mut PgConnection, name: &str) -> Result<String> {
@@ -58,9 +63,11 @@ pub async fn role_name(conn: &mut PgConnection, name: &str) -> Result<String> {
 
 /// Everything the host does for a plugin as itself, in one transaction that holds the
 /// plugin's registry row: concurrent hosts loading the same plugin take turns.
-async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits) -> Result<Login> {
+async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connection_limit: u32) -> Result<Login> {
     let name = &manifest.name;
     let mut tx = pool.begin().await?;
+    // Another host may be provisioning the same plugin; that takes moments, not minutes.
+    (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
     let role = role_name(&mut tx, name).await?;
     let registered: Option<String> = sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1 FOR UPDATE")
         .bind(name)
@@ -84,7 +91,7 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits) -> Resul
     .bind(limits.max_emit_bytes_per_call as i64)
     .execute(&mut *tx)
     .await?;
-    let password = ensure_login_role(&mut tx, &role).await?;
+    let password = login::ensure_role(&mut tx, &role, connection_limit).await?;
     let settings = session_settings(name, limits);
     if let Some(old) = registered.filter(|old| *old != role) {
         adopt_legacy_role(&mut tx, name, &old, &role).await?;
@@ -117,6 +124,22 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits) -> Resul
     .bind(&types)
     .execute(&mut *tx)
     .await?;
+    // An event type on a topic is one plugin's: another may not emit it, so not forge it.
+    let taken: Option<(String, String, String)> = sqlx::query_as(
+        "SELECT d.event_type, d.topic, d.plugin FROM obx.plugin_emit d \
+         JOIN unnest($2::text[], $3::text[]) AS w(t, e) ON d.topic = w.t AND d.event_type = w.e \
+         WHERE d.plugin <> $1 LIMIT 1",
+    )
+    .bind(name)
+    .bind(&topics)
+    .bind(&types)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((event_type, topic, owner)) = taken {
+        bail!(
+            "{event_type} on topic {topic} is emitted by plugin {owner:?}; a plugin may not declare another's events"
+        );
+    }
     tx.commit().await?;
     Ok(Login {
         role,
@@ -142,57 +165,6 @@ async fn check_name_is_free(conn: &mut PgConnection, name: &str) -> Result<()> {
         bail!("the name {name:?} is reserved: a schema of that name exists and does not belong to this plugin");
     }
     Ok(())
-}
-
-/// Creates the plugin's login role if needed, and returns its password. The password is
-/// random, stored where only the host can read it, and sent to the server as a SCRAM
-/// verifier, so it never appears in the server's statement log.
-async fn ensure_login_role(conn: &mut PgConnection, role: &str) -> Result<String> {
-    let stored: Option<String> = sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
-        .bind(role)
-        .fetch_optional(&mut *conn)
-        .await?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)")
-        .bind(role)
-        .fetch_one(&mut *conn)
-        .await?;
-    if let (Some(password), true) = (&stored, exists) {
-        return Ok(password.clone());
-    }
-    let password = random_hex(32);
-    let verifier = scram_verifier(&password);
-    let ddl = if exists {
-        format!("ALTER ROLE \"{role}\" LOGIN PASSWORD '{verifier}'")
-    } else {
-        format!("CREATE ROLE \"{role}\" LOGIN NOINHERIT NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD '{verifier}'")
-    };
-    sqlx::query(&ddl)
-        .persistent(false)
-        .execute(&mut *conn)
-        .await
-        .with_context(|| format!("creating role {role} (the host's database user needs CREATEROLE)"))?;
-    let member: bool = sqlx::query_scalar("SELECT pg_has_role(current_user, $1, 'MEMBER')")
-        .bind(role)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !member {
-        // The host must be a member to create the plugin's schema for it, and to end its
-        // sessions; the plugin's role is a member of nothing.
-        sqlx::query(&format!("GRANT \"{role}\" TO CURRENT_USER"))
-            .persistent(false)
-            .execute(&mut *conn)
-            .await
-            .with_context(|| format!("granting role {role} to the host's user"))?;
-    }
-    sqlx::query(
-        "INSERT INTO obx.plugin_credential (role_name, password) VALUES ($1, $2) \
-         ON CONFLICT (role_name) DO UPDATE SET password = EXCLUDED.password",
-    )
-    .bind(role)
-    .bind(&password)
-    .execute(&mut *conn)
-    .await?;
-    Ok(password)
 }
 
 /// Hosts before 0.2 gave each plugin a role `obx_plugin_<name>` that could not log in. Its
@@ -249,14 +221,38 @@ async fn configure_role(
 ) -> Result<()> {
     let mut settings = session.to_vec();
     settings.push(("temp_file_limit", format!("{}kB", limits.temp_file_bytes / 1024)));
-    let current: Vec<String> = sqlx::query_scalar(
-        "SELECT coalesce(s.setconfig, '{}') FROM pg_catalog.pg_roles r \
-         LEFT JOIN pg_catalog.pg_db_role_setting s ON s.setrole = r.oid AND s.setdatabase = 0 \
-         WHERE r.rolname = $1",
+    let (current, in_database): (Vec<String>, bool) = sqlx::query_as(
+        "SELECT coalesce((SELECT s.setconfig FROM pg_catalog.pg_db_role_setting s \
+                          WHERE s.setrole = r.oid AND s.setdatabase = 0), '{}'), \
+                EXISTS (SELECT 1 FROM pg_catalog.pg_db_role_setting s WHERE s.setrole = r.oid \
+                        AND s.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) \
+         FROM pg_catalog.pg_roles r WHERE r.rolname = $1",
     )
     .bind(role)
     .fetch_one(&mut *conn)
     .await?;
+    // A plugin may set defaults for its own role (Postgres lets every role): only ours stay.
+    if in_database {
+        let db = current_database(conn).await?.replace('"', "\"\"");
+        let ddl = format!("ALTER ROLE \"{role}\" IN DATABASE \"{db}\" RESET ALL");
+        sqlx::query(&ddl)
+            .persistent(false)
+            .execute(&mut *conn)
+            .await
+            .with_context(|| ddl.clone())?;
+    }
+    for entry in &current {
+        let name = entry.split('=').next().unwrap_or_default();
+        let ours = settings.iter().any(|(n, _)| *n == name);
+        if !ours && !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
+            let ddl = format!("ALTER ROLE \"{role}\" RESET \"{name}\"");
+            sqlx::query(&ddl)
+                .persistent(false)
+                .execute(&mut *conn)
+                .await
+                .with_context(|| ddl.clone())?;
+        }
+    }
     for (name, value) in settings {
         if current.iter().any(|c| *c == format!("{name}={value}")) {
             continue;
@@ -279,17 +275,26 @@ async fn configure_role(
     Ok(())
 }
 
+async fn current_database(conn: &mut PgConnection) -> Result<String> {
+    Ok(sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(conn)
+        .await?)
+}
+
 /// Applies the plugin's pending migrations on its own session, and records them there.
 async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
     let name = &manifest.name;
     let mut tx = sessions.begin(name).await?;
     // A migration may rewrite a large table: the role's statement timeout is for handlers.
+    // Another host may be applying this plugin's migrations: wait for it (it is bounded by
+    // MIGRATION_DEADLINE), then bound lock waits.
     (&mut *tx)
-        .execute("SET LOCAL statement_timeout = '10min'; SET LOCAL lock_timeout = '30s'")
+        .execute("SET LOCAL statement_timeout = '10min'; SET LOCAL lock_timeout = 0")
         .await?;
     let applied: Vec<(i32, Vec<u8>)> = sqlx::query_as("SELECT id, checksum FROM obx_api.migrations_applied()")
         .fetch_all(&mut *tx)
         .await?;
+    (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
     let last_applied = check_applied(manifest, &applied)?;
     for m in &manifest.migrations {
         let id = m.id as i32;
@@ -348,26 +353,5 @@ fn db_message(e: &sqlx::Error) -> String {
     match e {
         sqlx::Error::Database(d) => format!("{} ({})", d.message(), d.code().unwrap_or_default()),
         other => other.to_string(),
-    }
-}
-
-fn random_hex(bytes: usize) -> String {
-    let mut out = String::with_capacity(bytes * 2);
-    while out.len() < bytes * 2 {
-        out.push_str(&uuid::Uuid::new_v4().simple().to_string());
-    }
-    out.truncate(bytes * 2);
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_long_and_hex() {
-        let p = random_hex(32);
-        assert_eq!(p.len(), 64);
-        assert!(p.chars().all(|c| c.is_ascii_hexdigit()));
     }
 }

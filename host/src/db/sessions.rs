@@ -25,25 +25,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
 
+use super::login::Login;
 use crate::config::DatabaseConfig;
-
-/// How a plugin's role logs in, and the settings its sessions start with.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Login {
-    pub role: String,
-    pub password: String,
-    /// The role's own settings again, as startup options: they come after any the database
-    /// URL carries, so the URL cannot loosen them.
-    pub settings: Vec<(&'static str, String)>,
-}
-
-impl std::fmt::Debug for Login {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Login")
-            .field("role", &self.role)
-            .finish_non_exhaustive()
-    }
-}
 
 /// The pools of plugin sessions, by plugin name.
 pub struct Sessions {
@@ -53,8 +36,11 @@ pub struct Sessions {
     /// The host's own pool, to terminate a plugin session that was abandoned mid-statement.
     host: PgPool,
     max_connections: u32,
+    role_connection_limit: u32,
     acquire_timeout: Duration,
     pools: Mutex<HashMap<String, (Login, PgPool)>>,
+    /// When each plugin's password was last set anew (see [`Sessions::begin`]).
+    rotated: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 /// Why a plugin session could not be had.
@@ -62,18 +48,27 @@ pub struct Sessions {
 pub enum SessionError {
     #[error("plugin {0:?} has no database login on this host")]
     Unknown(String),
+    #[error("plugin {0:?}'s role refuses its password, which was set anew less than a minute ago")]
+    Login(String),
+    #[error("could not set a new password for a plugin's role: {0}")]
+    Rotate(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
 
-/// Commits, after clearing what a statement could leave on the session. Every statement
-/// runs in the transaction, so the settings and temporary objects of a transaction that
-/// fails to commit are undone with it; session advisory locks are not transactional, and are
-/// released at once.
-const COMMIT: &str = "SELECT pg_catalog.pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; \
-                      DISCARD TEMP; DISCARD SEQUENCES; COMMIT";
-/// Rolls back (which undoes everything transactional), then releases session advisory locks.
-const ROLLBACK: &str = "ROLLBACK; SELECT pg_catalog.pg_advisory_unlock_all()";
+/// Begins, and says which backend and which transaction (its start, in microseconds).
+const BEGIN: &str = "BEGIN; SELECT pg_catalog.pg_backend_pid(), \
+     pg_catalog.int8(pg_catalog.date_part('epoch', pg_catalog.now()) OPERATOR(pg_catalog.*) 1000000)";
+/// What no host statement leaves, read before the session is cleared: prepared statements
+/// made with SQL (a `PREPARE` could take the name of one of the host's), and the start of the
+/// transaction (a plugin that ended the host's transaction itself is in another one). Every
+/// name is qualified: the session's search path is the plugin's to change.
+const CHECK: &str = "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_prepared_statements WHERE from_sql), \
+     pg_catalog.int8(pg_catalog.date_part('epoch', pg_catalog.now()) OPERATOR(pg_catalog.*) 1000000), \
+     pg_catalog.pg_advisory_unlock_all() IS NULL";
+/// Clears what a statement could leave on a session: session advisory locks (in [`CHECK`]),
+/// cursors, `LISTEN`s, settings and the role, temporary objects, sequence state.
+const CLEAR: &str = "CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; DISCARD TEMP; DISCARD SEQUENCES";
 
 impl Sessions {
     pub fn new(database_url: &str, host: PgPool, config: &DatabaseConfig) -> anyhow::Result<Sessions> {
@@ -83,8 +78,10 @@ impl Sessions {
             base,
             host,
             max_connections: config.plugin_max_connections,
+            role_connection_limit: config.plugin_role_connections,
             acquire_timeout: config.acquire_timeout,
             pools: Mutex::new(HashMap::new()),
+            rotated: Mutex::new(HashMap::new()),
         })
     }
 
@@ -113,8 +110,52 @@ impl Sessions {
         }
     }
 
-    /// Begins a transaction on a session of plugin `name`.
+    /// The most sessions a plugin's role may have, across all hosts (its `CONNECTION LIMIT`).
+    pub fn role_connection_limit(&self) -> u32 {
+        self.role_connection_limit
+    }
+
+    /// Begins a transaction on a session of plugin `name`. If the plugin's role no longer
+    /// takes its password (a plugin can change its own), the host sets a new one, at most
+    /// once a minute, and tries again.
     pub async fn begin(&self, name: &str) -> Result<PluginTx, SessionError> {
+        match self.try_begin(name).await {
+            Err(SessionError::Database(sqlx::Error::Database(e))) if e.code().as_deref() == Some("28P01") => {
+                self.rotate(name).await?;
+                self.try_begin(name).await
+            }
+            other => other,
+        }
+    }
+
+    async fn rotate(&self, name: &str) -> Result<(), SessionError> {
+        let mut login = self.login(name)?;
+        {
+            let mut rotated = self.rotated.lock().unwrap_or_else(|e| e.into_inner());
+            if rotated.get(name).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
+                return Err(SessionError::Login(name.to_string()));
+            }
+            rotated.insert(name.to_string(), std::time::Instant::now());
+        }
+        tracing::warn!(plugin = name, role = %login.role, "the plugin's role refused its password; setting a new one");
+        let mut conn = self.host.acquire().await?;
+        login.password = super::login::rotate(&mut conn, &login.role)
+            .await
+            .map_err(|e| SessionError::Rotate(format!("{e:#}")))?;
+        self.register(name, login);
+        Ok(())
+    }
+
+    fn login(&self, name: &str) -> Result<Login, SessionError> {
+        self.pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|(login, _)| login.clone())
+            .ok_or_else(|| SessionError::Unknown(name.to_string()))
+    }
+
+    async fn try_begin(&self, name: &str) -> Result<PluginTx, SessionError> {
         let (role, pool) = self
             .pools
             .lock()
@@ -124,13 +165,12 @@ impl Sessions {
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
         let mut conn = pool.acquire().await?;
         // A plain string goes over the simple protocol: both statements in one round trip.
-        let row = (&mut *conn)
-            .fetch_one("BEGIN; SELECT pg_catalog.pg_backend_pid()")
-            .await;
-        match row.and_then(|row| row.try_get::<i32, _>(0)) {
-            Ok(pid) => Ok(PluginTx {
+        let row = (&mut *conn).fetch_one(BEGIN).await;
+        match row.and_then(|row| Ok((row.try_get::<i32, _>(0)?, row.try_get::<i64, _>(1)?))) {
+            Ok((pid, started)) => Ok(PluginTx {
                 conn: Some(conn),
                 pid,
+                started,
                 role,
                 host: self.host.clone(),
                 poisoned: false,
@@ -163,6 +203,8 @@ impl Sessions {
 pub struct PluginTx {
     conn: Option<PoolConnection<Postgres>>,
     pid: i32,
+    /// When the transaction began (microseconds since the epoch, the server's clock).
+    started: i64,
     role: Arc<str>,
     host: PgPool,
     /// The session may be in the middle of a result: it can only be abandoned.
@@ -176,7 +218,7 @@ impl PluginTx {
         if self.poisoned {
             return Err(sqlx::Error::Protocol("the plugin session was abandoned".into()));
         }
-        self.finish(COMMIT).await
+        self.finish(true).await
     }
 
     /// Rolls back and clears the session. On error the session is closed.
@@ -184,12 +226,33 @@ impl PluginTx {
         if self.poisoned {
             return Ok(());
         }
-        self.finish(ROLLBACK).await
+        self.finish(false).await
     }
 
-    async fn finish(&mut self, sql: &'static str) -> sqlx::Result<()> {
+    /// Ends the transaction and clears the session in one round trip. The clearing runs
+    /// inside the transaction before a commit (what a failed commit undoes was undone with
+    /// it), and after a rollback (for what a plugin may have committed itself). A session
+    /// that was tampered with is closed even when the commit went through.
+    async fn finish(&mut self, commit: bool) -> sqlx::Result<()> {
+        let sql = if commit {
+            format!("{CHECK}; {CLEAR}; COMMIT")
+        } else {
+            format!("ROLLBACK; {CHECK}; {CLEAR}")
+        };
         let conn = self.conn.as_mut().expect("open until consumed");
-        (&mut **conn).execute(sql).await?;
+        let rows = (&mut **conn).fetch_all(sql.as_str()).await?;
+        let check = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+        let prepared: i64 = check.try_get(0)?;
+        let same_transaction = check.try_get::<i64, _>(1)? == self.started;
+        if prepared > 0 || (commit && !same_transaction) {
+            tracing::warn!(
+                role = %self.role, prepared, same_transaction,
+                "a plugin session made prepared statements or ended its transaction itself; it is closed"
+            );
+            metrics::counter!("obx_plugin_sessions_tampered_total", "role" => self.role.to_string()).increment(1);
+            // `Drop` closes it.
+            return Ok(());
+        }
         // Clean: back to the pool. On error, `Drop` closes it instead.
         drop(self.conn.take());
         Ok(())
@@ -199,6 +262,11 @@ impl PluginTx {
     /// It is then closed and its backend terminated, never drained.
     pub fn poison(&mut self) {
         self.poisoned = true;
+    }
+
+    /// Whether the session was abandoned: it takes no more statements.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
     }
 
     /// Closes the session at once and terminates its backend, which may still be running a

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use sqlx::{PgConnection, PgPool};
@@ -212,13 +213,30 @@ impl Lane {
                 // What is still queued is delivered again to whoever takes the partition.
                 return;
             }
-            match self.handle(&m).await {
+            match self.handle_guarded(&m).await {
                 Done::Settled => {
                     // After a rebalance the partition may belong to another host; its
                     // redelivery is then a dedup hit.
                     let _ = consumer.store_offset(m.topic(), m.partition(), m.offset());
                 }
                 Done::Stopped => return,
+            }
+        }
+    }
+
+    /// [`Lane::handle`], retried after a pause if it panics: a bug must not stop the lane,
+    /// nor move the partition past the message.
+    async fn handle_guarded(&self, m: &OwnedMessage) -> Done {
+        loop {
+            match std::panic::AssertUnwindSafe(self.handle(m)).catch_unwind().await {
+                Ok(done) => return done,
+                Err(_) => {
+                    tracing::error!(plugin = %self.plugin, topic = m.topic(), partition = m.partition(),
+                        offset = m.offset(), "handling a message panicked; retrying it");
+                    if self.pause(self.config.backoff_max).await {
+                        return Done::Stopped;
+                    }
+                }
             }
         }
     }

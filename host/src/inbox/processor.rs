@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use futures::FutureExt as _;
 use sqlx::Row;
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -55,7 +56,11 @@ impl Processor {
             if *self.shutdown.borrow() {
                 return;
             }
-            let pause = match self.step().await {
+            // A bug must not stop every plugin's inbox: a step that panics is logged and
+            // retried after a pause, like one that failed.
+            let step = std::panic::AssertUnwindSafe(self.step()).catch_unwind().await;
+            let step = step.unwrap_or_else(|_| Err(anyhow::anyhow!("the step panicked")));
+            let pause = match step {
                 Ok(Outcome::Worked) => continue,
                 Ok(Outcome::Idle) => self.config.inbox_poll_interval,
                 Err(e) => {
@@ -147,11 +152,20 @@ impl Processor {
         let attempts = claimed.attempts as u32 + 1;
         tracing::warn!(consumer, event_id = %claimed.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
-        let Some(mut tx) = failure.tx else {
+        let mut tx = match failure.tx {
             // The transaction is gone, and the row lock with it: the next claim retries.
-            return Ok(());
+            None => return Ok(()),
+            // The session was abandoned mid-result: record the attempt on a fresh one, so
+            // that the event is parked in the end like any other.
+            Some(tx) if tx.is_poisoned() => {
+                tx.abandon();
+                self.dispatcher.sessions.begin(consumer).await?
+            }
+            Some(mut tx) => {
+                sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
+                tx
+            }
         };
-        sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
         let park = !failure.retriable || attempts >= self.config.max_attempts;
         let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
         sqlx::query("SELECT obx_api.inbox_fail($1, $2, $3, $4, $5)")
@@ -182,19 +196,20 @@ async fn claim(conn: &mut sqlx::PgConnection) -> sqlx::Result<Option<Claimed>> {
     let Some(row) = row else {
         return Ok(None);
     };
+    // try_get everywhere: the row comes from the plugin's own session.
     let headers: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_value(row.get("headers")).unwrap_or_default();
-    let attempts: i32 = row.get("attempts");
-    let event_id: Uuid = row.get("event_id");
+        serde_json::from_value(row.try_get("headers")?).unwrap_or_default();
+    let attempts = row.try_get::<i32, _>("attempts")?.max(0);
+    let event_id: Uuid = row.try_get("event_id")?;
     Ok(Some(Claimed {
         event_id,
         attempts,
         event: guest::Event {
             event_id: event_id.to_string(),
-            event_type: row.get("event_type"),
-            topic: row.get("topic"),
-            key: row.get("partition_key"),
-            payload: row.get("payload"),
+            event_type: row.try_get("event_type")?,
+            topic: row.try_get("topic")?,
+            key: row.try_get("partition_key")?,
+            payload: row.try_get("payload")?,
             headers: headers
                 .into_iter()
                 .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))

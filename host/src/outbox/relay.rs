@@ -19,7 +19,8 @@
 //! public constants), held on the same connection that claims rows: a relay never sees rows of a
 //! shard while another relay could hold them. A relay sends a key's rows in id order and
 //! never past one that is not yet acknowledged: a row the broker refused blocks the later
-//! rows of its key (not the shard) until it goes through. Producer messages never expire
+//! rows of its key on its topic (not the shard, nor the key on other topics, which may be
+//! another plugin's) until it goes through. Producer messages never expire
 //! (`message.timeout.ms = 0`), so a key's messages cannot be reordered by a timeout; a row
 //! still unacknowledged at `ack_timeout` stays in flight, and a later step collects its
 //! report instead of sending it again. Shards are spread evenly over the live relays: each
@@ -359,7 +360,8 @@ impl Relay {
              WHERE o.published_at IS NULL \
                AND obx.outbox_shard(o.partition_key) = ANY($1) \
                AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
-                               WHERE f.partition_key = o.partition_key AND f.outbox_id <= o.id \
+                               WHERE f.topic = o.topic AND f.partition_key = o.partition_key \
+                                 AND f.outbox_id <= o.id \
                                  AND CASE WHEN f.set_aside THEN f.outbox_id = o.id \
                                           ELSE f.next_attempt_at > now() END) \
              ORDER BY o.id \
@@ -391,13 +393,13 @@ impl Relay {
         }
 
         // Send, in id order. A key whose row could not be queued sends nothing after it.
-        let mut blocked: HashSet<&str> = HashSet::new();
+        let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         let mut refused: Vec<(&OutboxRow, Refusal)> = Vec::new();
         // Topics the broker does not know: created (where allowed) before the next attempt.
         let mut unknown_topics: Vec<String> = Vec::new();
         let mut sent: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
         for (row, topic) in rows.iter().zip(&topics) {
-            if blocked.contains(row.partition_key.as_str()) {
+            if blocked.contains(&(row.topic.as_str(), row.partition_key.as_str())) {
                 continue;
             }
             if st.inflight.contains_key(&row.id) {
@@ -415,7 +417,7 @@ impl Relay {
                     break;
                 }
                 Err((e, _)) => {
-                    blocked.insert(row.partition_key.as_str());
+                    blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
                     refused.push((row, Refusal::of(&e)));
                 }
             }
@@ -516,9 +518,11 @@ impl Relay {
         }
         sqlx::query(
             "INSERT INTO obx.outbox_delivery_failure \
-               (outbox_id, partition_key, attempts, last_error, next_attempt_at, set_aside) \
-             SELECT id, key, 1, error, CASE WHEN aside THEN 'infinity' ELSE now() + make_interval(secs => $5) END, aside \
-             FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::bool[]) AS r(id, key, error, aside) \
+               (outbox_id, topic, partition_key, attempts, last_error, next_attempt_at, set_aside) \
+             SELECT id, topic, key, 1, error, \
+                    CASE WHEN aside THEN 'infinity' ELSE now() + make_interval(secs => $5) END, aside \
+             FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::bool[], $7::text[]) \
+                  AS r(id, key, error, aside, topic) \
              ON CONFLICT (outbox_id) DO UPDATE SET \
                attempts = obx.outbox_delivery_failure.attempts + 1, \
                last_error = EXCLUDED.last_error, \
@@ -528,11 +532,17 @@ impl Relay {
                updated_at = now()",
         )
         .bind(refused.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
-        .bind(refused.iter().map(|(r, _)| r.partition_key.as_str()).collect::<Vec<_>>())
+        .bind(
+            refused
+                .iter()
+                .map(|(r, _)| r.partition_key.as_str())
+                .collect::<Vec<_>>(),
+        )
         .bind(refused.iter().map(|(_, e)| e.error.as_str()).collect::<Vec<_>>())
         .bind(refused.iter().map(|(_, e)| e.permanent).collect::<Vec<_>>())
         .bind(self.config.backoff_initial.as_secs_f64())
         .bind(self.config.backoff_max.as_secs_f64())
+        .bind(refused.iter().map(|(r, _)| r.topic.as_str()).collect::<Vec<_>>())
         .execute(conn)
         .await?;
         Ok(())
@@ -598,6 +608,35 @@ fn rand_i32() -> i32 {
     uuid::Uuid::new_v4().as_u128() as i32
 }
 
+/// `pg_locks` is readable by every session, so a plugin that got SQL past the policy could
+/// see the relay's lock space and take shard or membership locks (holding up publishing for
+/// everyone, or shrinking every relay's fair share). A session of a role the host is a member
+/// of (a plugin's) that holds a lock in the relay's space is terminated.
+async fn evict_intruders(conn: &mut PgConnection, locks: LockSpace) -> Result<()> {
+    let evicted: Vec<String> = sqlx::query_scalar(
+        // Materialized first, so that nothing but an intruder can reach the terminate call.
+        "WITH intruders AS MATERIALIZED ( \
+             SELECT DISTINCT a.pid, a.usename::text AS role \
+             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.classid IN ($1::oid, $2::oid) \
+               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+               AND a.usename <> current_user AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
+         SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
+    )
+    .bind(locks.shard as i64)
+    .bind(locks.member as i64)
+    .fetch_all(&mut *conn)
+    .await?;
+    for role in evicted {
+        tracing::warn!(
+            role,
+            "a plugin session held one of the relay's locks; it was terminated"
+        );
+        metrics::counter!("obx_relay_intruders_evicted_total").increment(1);
+    }
+    Ok(())
+}
+
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
 /// still in flight is not given up, so that a hand-over never sends a row twice.
 async fn rebalance(
@@ -606,10 +645,13 @@ async fn rebalance(
     held: &mut BTreeSet<i32>,
     busy: &HashSet<i32>,
 ) -> Result<()> {
+    evict_intruders(conn, locks).await?;
+    // Members are the host user's sessions: a plugin session is never counted.
     let members: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_catalog.pg_locks \
-         WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = $1::oid \
-           AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
+           AND a.usename = current_user \
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
     )
     .bind(locks.member as i64)
     .fetch_one(&mut *conn)
