@@ -80,6 +80,8 @@ END $$;
 
 -- Writes a call's events to the outbox, in emit order, as the calling plugin. Refuses
 -- anything the plugin did not declare, Kafka's own topics, and anything over its limits.
+-- Every check is in the one INSERT (a row that fails one is not written); only when a row
+-- was not written does a second query find out why, for the message.
 CREATE FUNCTION obx_api.emit(
     p_version text, p_traceparent text, p_event_ids uuid[], p_aggregate_types text[],
     p_aggregate_ids text[], p_event_types text[], p_payloads text[], p_topics text[],
@@ -87,12 +89,18 @@ CREATE FUNCTION obx_api.emit(
 ) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    v_plugin obx.plugin := obx.session_plugin();
-    v_count  integer := coalesce(cardinality(p_event_ids), 0);
-    v_bad    text;
+    v_plugin  obx.plugin;
+    v_count   integer := coalesce(cardinality(p_event_ids), 0);
+    v_written integer;
+    v_bad     text;
 BEGIN
     IF v_count = 0 THEN
         RETURN 0;
+    END IF;
+    SELECT * INTO v_plugin FROM obx.plugin p WHERE p.role_name = session_user;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session user % is not a plugin of this OBX installation', session_user
+            USING ERRCODE = 'insufficient_privilege';
     END IF;
     IF v_count > v_plugin.max_emits_per_call THEN
         RAISE EXCEPTION 'a call may emit at most % events', v_plugin.max_emits_per_call
@@ -110,34 +118,9 @@ BEGIN
        OR octet_length(p_traceparent) > 128 THEN
         RAISE EXCEPTION 'emit: invalid version or trace context' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF (SELECT sum(octet_length(x)) FROM unnest(p_payloads) AS x) > v_plugin.max_emit_bytes_per_call THEN
+    IF octet_length(array_to_string(p_payloads, '')) > v_plugin.max_emit_bytes_per_call THEN
         RAISE EXCEPTION 'the events of one call may hold at most % payload bytes', v_plugin.max_emit_bytes_per_call
             USING ERRCODE = 'program_limit_exceeded';
-    END IF;
-    SELECT format('event %s: %s', e.n, r.reason) INTO v_bad
-    FROM unnest(p_event_ids, p_aggregate_types, p_aggregate_ids, p_event_types, p_payloads, p_topics,
-                p_partition_keys) WITH ORDINALITY
-           AS e(event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, n)
-    CROSS JOIN LATERAL (SELECT CASE
-        WHEN e.event_id IS NULL OR e.payload IS NULL THEN 'no event id or payload'
-        WHEN coalesce(octet_length(e.aggregate_type), 0) NOT BETWEEN 1 AND 1024
-          OR coalesce(octet_length(e.aggregate_id), 0) NOT BETWEEN 1 AND 1024
-          OR coalesce(octet_length(e.event_type), 0) NOT BETWEEN 1 AND 1024
-          OR coalesce(octet_length(e.partition_key), 0) NOT BETWEEN 1 AND 1024
-          THEN 'aggregate type, aggregate id, event type and partition key must be 1-1024 bytes'
-        WHEN octet_length(e.payload) > v_plugin.max_payload_bytes
-          THEN format('the payload is %s bytes, over the limit of %s', octet_length(e.payload),
-                      v_plugin.max_payload_bytes)
-        WHEN e.topic IS NULL OR left(e.topic, 2) = '__'
-          OR NOT EXISTS (SELECT 1 FROM obx.plugin_emit d
-                         WHERE d.plugin = v_plugin.name AND d.topic = e.topic AND d.event_type = e.event_type)
-          THEN format('%s on topic %s is not declared in the manifest', e.event_type, e.topic)
-        END AS reason) AS r
-    WHERE r.reason IS NOT NULL
-    ORDER BY e.n
-    LIMIT 1;
-    IF v_bad IS NOT NULL THEN
-        RAISE EXCEPTION 'emit refused: %', v_bad USING ERRCODE = 'insufficient_privilege';
     END IF;
     INSERT INTO obx.outbox_event
         (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key,
@@ -147,8 +130,49 @@ BEGIN
     FROM unnest(p_event_ids, p_aggregate_types, p_aggregate_ids, p_event_types, p_payloads, p_topics,
                 p_partition_keys) WITH ORDINALITY
            AS e(event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, n)
+    WHERE e.event_id IS NOT NULL
+      AND octet_length(e.aggregate_type) BETWEEN 1 AND 1024
+      AND octet_length(e.aggregate_id) BETWEEN 1 AND 1024
+      AND octet_length(e.event_type) BETWEEN 1 AND 1024
+      AND octet_length(e.partition_key) BETWEEN 1 AND 1024
+      AND octet_length(e.payload) <= v_plugin.max_payload_bytes
+      AND left(e.topic, 2) <> '__'
+      AND EXISTS (SELECT 1 FROM obx.plugin_emit d
+                  WHERE d.topic = e.topic AND d.event_type = e.event_type AND d.plugin = v_plugin.name)
     ORDER BY e.n;
-    RETURN v_count;
+    GET DIAGNOSTICS v_written = ROW_COUNT;
+    IF v_written = v_count THEN
+        RETURN v_count;
+    END IF;
+    -- Some row was not written: say which and why (the exception undoes the others).
+    SELECT format('event %s: %s', e.n, CASE
+        WHEN e.event_id IS NULL OR e.payload IS NULL THEN 'no event id or payload'
+        WHEN octet_length(e.payload) > v_plugin.max_payload_bytes
+          THEN format('the payload is %s bytes, over the limit of %s', octet_length(e.payload),
+                      v_plugin.max_payload_bytes)
+        WHEN coalesce(octet_length(e.aggregate_type), 0) NOT BETWEEN 1 AND 1024
+          OR coalesce(octet_length(e.aggregate_id), 0) NOT BETWEEN 1 AND 1024
+          OR coalesce(octet_length(e.event_type), 0) NOT BETWEEN 1 AND 1024
+          OR coalesce(octet_length(e.partition_key), 0) NOT BETWEEN 1 AND 1024
+          THEN 'aggregate type, aggregate id, event type and partition key must be 1-1024 bytes'
+        ELSE format('%s on topic %s is not declared in the manifest', e.event_type, e.topic)
+        END) INTO v_bad
+    FROM unnest(p_event_ids, p_aggregate_types, p_aggregate_ids, p_event_types, p_payloads, p_topics,
+                p_partition_keys) WITH ORDINALITY
+           AS e(event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key, n)
+    WHERE NOT (e.event_id IS NOT NULL
+      AND coalesce(octet_length(e.aggregate_type) BETWEEN 1 AND 1024, false)
+      AND coalesce(octet_length(e.aggregate_id) BETWEEN 1 AND 1024, false)
+      AND coalesce(octet_length(e.event_type) BETWEEN 1 AND 1024, false)
+      AND coalesce(octet_length(e.partition_key) BETWEEN 1 AND 1024, false)
+      AND coalesce(octet_length(e.payload) <= v_plugin.max_payload_bytes, false)
+      AND coalesce(left(e.topic, 2) <> '__', false)
+      AND EXISTS (SELECT 1 FROM obx.plugin_emit d
+                  WHERE d.topic = e.topic AND d.event_type = e.event_type AND d.plugin = v_plugin.name))
+    ORDER BY e.n
+    LIMIT 1;
+    RAISE EXCEPTION 'emit refused: %', coalesce(v_bad, 'an event was not written')
+        USING ERRCODE = 'insufficient_privilege';
 END $$;
 
 -- Claims an Idempotency-Key for the calling plugin. A concurrent request with the same key

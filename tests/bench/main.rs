@@ -1098,6 +1098,12 @@ async fn report(path: &std::path::Path) -> Result<()> {
         doc.push('\n');
     }
     doc.push_str(NOTES);
+    // Measurements of design changes, kept by hand: each compares two builds, which one run
+    // of this tool cannot do.
+    if let Ok(changes) = std::fs::read_to_string(charts.join("changes.md")) {
+        doc.push('\n');
+        doc.push_str(&changes);
+    }
     std::fs::write(path, doc)?;
     println!("wrote {} and {}/*.svg", path.display(), charts.display());
     Ok(())
@@ -1137,9 +1143,10 @@ cargo xtask bench -- rss
 const NOTES: &str = "
 ## Reading the figures
 
-- **Commands.** pgbench runs the handler's statements (role switch, insert, switch back,
-  outbox insert) with nothing else: that is what Postgres itself can do here. The native
-  handler adds what any Rust service would: a pool, JSON in and out, the transaction. The
+- **Commands.** pgbench runs the handler's statements on the plugin's own login (`BEGIN`,
+  the insert, the outbox row through `obx_api.emit`, `COMMIT`) with nothing else: that is
+  what Postgres itself can do here. The native handler adds what the host does around any
+  handler: a pool, JSON in and out, the session's check and clearing with the commit. The
   Wasm handler adds a fresh instance per call (pooling allocator), the guest's JSON work,
   and the host calls for SQL and emit.
 - **Relay drain.** Per batch of 1,000 the relay claims (index scan, row locks), waits for

@@ -260,8 +260,14 @@ fn on_path(command: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|p| p.join(command).exists()))
 }
 
+/// The workspace this run is for. `cargo run` says where the package is at run time; the
+/// path compiled in is only a fallback, since two checkouts that share a target directory
+/// share one `xtask` binary, built from whichever ran last.
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir
         .parent()
         .expect("xtask lives in the workspace")
         .to_path_buf()
