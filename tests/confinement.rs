@@ -569,12 +569,14 @@ async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
 async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     let host = spawn_host(&["testbed"]).await;
     let mut s = host.plugin_session("testbed").await;
-    // As an attacker would: the relay's namespace from pg_locks, then every shard and a
-    // thousand member locks (which would shrink each relay's share to one shard).
+    // As an attacker would: the relay's namespace from pg_locks (in this database: other
+    // tests' relays hold theirs on the same server), then every shard and a thousand
+    // member locks (which would shrink each relay's share to one shard).
     let mut space = None;
     for _ in 0..100 {
         space = sqlx::query_scalar::<_, i64>(
             "SELECT classid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
              GROUP BY classid HAVING count(*) > 1 ORDER BY count(*) DESC LIMIT 1",
         )
         .fetch_optional(&mut s)
