@@ -416,7 +416,7 @@ async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> 
     config.consumer.enabled = false;
     let host = obx::app::start(config).await?;
     let commands = rate / per_command.max(1);
-    let body = json!({ "id": "lat", "topic": "bench.latency", "count": per_command });
+    let body = json!({ "id": "lat", "topic": "testbed.alpha", "count": per_command });
     // The histogram counts since the process started: measure what this run adds.
     let baseline = obx::telemetry::metrics().render();
     let sent = open_loop_with(

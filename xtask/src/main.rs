@@ -332,9 +332,11 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
 const COMPONENTIZE_PY: &str = "componentize-py==0.25.1";
 
 /// Builds a Python plugin with componentize-py, installed from PyPI into a virtualenv of
-/// the target directory the first time. Skipped when the component is newer than its source.
+/// the target directory the first time. Skipped when the component was built from the same
+/// source.
 fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
-    if is_fresh(out, &[&dir.join("app.py"), &dir.join("../../wit/obx.wit")]) {
+    let stamp = Stamp::of(out, &[&dir.join("app.py"), &dir.join("../../wit/obx.wit")])?;
+    if stamp.is_fresh() {
         return Ok(());
     }
     let venv = target.join("tools/python");
@@ -358,13 +360,15 @@ fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
             "app",
             "-o",
         ])
-        .arg(out))
+        .arg(out))?;
+    stamp.record()
 }
 
 /// Builds a JavaScript plugin with ComponentizeJS, installed from npm (`npm ci`) the first
-/// time. Skipped when the component is newer than its source.
+/// time. Skipped when the component was built from the same source.
 fn build_js_plugin(dir: &Path, out: &Path) -> Result<()> {
-    if is_fresh(out, &[&dir.join("app.js"), &dir.join("../../wit/obx.wit")]) {
+    let stamp = Stamp::of(out, &[&dir.join("app.js"), &dir.join("../../wit/obx.wit")])?;
+    if stamp.is_fresh() {
         return Ok(());
     }
     if !dir.join("node_modules/.bin/componentize-js").exists() {
@@ -379,14 +383,43 @@ fn build_js_plugin(dir: &Path, out: &Path) -> Result<()> {
         .current_dir(dir)
         .args(["app.js", "--wit", "../../wit", "--world-name", "plugin"])
         .args(["-d", "stdio", "random", "clocks", "http", "fetch-event", "-o"])
-        .arg(out))
+        .arg(out))?;
+    stamp.record()
 }
 
-/// Whether `output` exists and is newer than every input.
-fn is_fresh(output: &Path, inputs: &[&Path]) -> bool {
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let Some(out) = modified(output) else { return false };
-    inputs.iter().all(|i| modified(i).is_some_and(|t| t <= out))
+/// What a component was built from: a digest of its inputs' contents, kept beside it. Not
+/// their times: two checkouts that share a target directory write the same component file.
+struct Stamp {
+    file: PathBuf,
+    digest: String,
+    output_exists: bool,
+}
+
+impl Stamp {
+    fn of(output: &Path, inputs: &[&Path]) -> Result<Stamp> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        for input in inputs {
+            std::fs::read(input)
+                .with_context(|| format!("reading {}", input.display()))?
+                .hash(&mut hasher);
+        }
+        let mut file = output.as_os_str().to_owned();
+        file.push(".inputs");
+        Ok(Stamp {
+            file: PathBuf::from(file),
+            digest: format!("{:016x}", hasher.finish()),
+            output_exists: output.exists(),
+        })
+    }
+
+    fn is_fresh(&self) -> bool {
+        self.output_exists && std::fs::read_to_string(&self.file).is_ok_and(|d| d.trim() == self.digest)
+    }
+
+    fn record(&self) -> Result<()> {
+        std::fs::write(&self.file, &self.digest).with_context(|| format!("writing {}", self.file.display()))
+    }
 }
 
 fn ensure_wasm_target() -> Result<()> {

@@ -10,6 +10,9 @@
 use anyhow::{Context, Result};
 use sqlx::PgConnection;
 
+// Role names were validated as `obx_<hex>_[a-z0-9_]*`, so quoting them is enough.
+use super::ddl;
+
 /// How a plugin's role logs in, and the settings its sessions start with.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Login {
@@ -94,17 +97,6 @@ async fn store(conn: &mut PgConnection, role: &str, password: &str) -> Result<()
     .bind(password)
     .execute(conn)
     .await?;
-    Ok(())
-}
-
-/// Role names were validated as `obx_<hex>_[a-z0-9_]*`, so quoting them is enough.
-async fn ddl(conn: &mut PgConnection, sql: &str) -> Result<()> {
-    let what = sql.split(" PASSWORD ").next().unwrap_or(sql).to_string();
-    sqlx::query(sql)
-        .persistent(false)
-        .execute(conn)
-        .await
-        .with_context(|| what)?;
     Ok(())
 }
 

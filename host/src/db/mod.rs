@@ -144,6 +144,17 @@ async fn public_has_temp(conn: &mut sqlx::PgConnection) -> bool {
         .unwrap_or(true)
 }
 
+/// Runs one statement of DDL the host built from validated names (no parameters are
+/// possible there). The error names the statement, less any password.
+pub(crate) async fn ddl(conn: &mut sqlx::PgConnection, sql: &str) -> Result<()> {
+    sqlx::query(sql)
+        .persistent(false)
+        .execute(conn)
+        .await
+        .with_context(|| sql.split(" PASSWORD ").next().unwrap_or(sql).to_string())?;
+    Ok(())
+}
+
 fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"))
 }

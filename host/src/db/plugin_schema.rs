@@ -104,11 +104,7 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         format!("GRANT USAGE ON SCHEMA obx_api TO \"{role}\""),
         format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA obx_api TO \"{role}\""),
     ] {
-        sqlx::query(&ddl)
-            .persistent(false)
-            .execute(&mut *tx)
-            .await
-            .with_context(|| ddl.clone())?;
+        super::ddl(&mut tx, &ddl).await?;
     }
     let (topics, types): (Vec<&str>, Vec<&str>) = manifest
         .emits
@@ -234,23 +230,13 @@ async fn configure_role(
     // A plugin may set defaults for its own role (Postgres lets every role): only ours stay.
     if in_database {
         let db = current_database(conn).await?.replace('"', "\"\"");
-        let ddl = format!("ALTER ROLE \"{role}\" IN DATABASE \"{db}\" RESET ALL");
-        sqlx::query(&ddl)
-            .persistent(false)
-            .execute(&mut *conn)
-            .await
-            .with_context(|| ddl.clone())?;
+        super::ddl(conn, &format!("ALTER ROLE \"{role}\" IN DATABASE \"{db}\" RESET ALL")).await?;
     }
     for entry in &current {
         let name = entry.split('=').next().unwrap_or_default();
         let ours = settings.iter().any(|(n, _)| *n == name);
         if !ours && !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
-            let ddl = format!("ALTER ROLE \"{role}\" RESET \"{name}\"");
-            sqlx::query(&ddl)
-                .persistent(false)
-                .execute(&mut *conn)
-                .await
-                .with_context(|| ddl.clone())?;
+            super::ddl(conn, &format!("ALTER ROLE \"{role}\" RESET \"{name}\"")).await?;
         }
     }
     for (name, value) in settings {
