@@ -135,6 +135,39 @@ async fn every_failing_ending_rolls_back_and_the_host_keeps_serving() {
     host.shutdown().await;
 }
 
+/// Nothing a call leaves in its instance's memory reaches a later call: pooled memory is
+/// reset when its Store is dropped, after a call that returned and after one that trapped.
+#[tokio::test]
+async fn no_memory_of_a_call_reaches_the_next() {
+    let host = spawn_host(&["testbed"]).await;
+    let number = |text: &str| {
+        text.trim()
+            .parse::<u64>()
+            .unwrap_or_else(|_| panic!("not a count: {text}"))
+    };
+    // The probe sees a stain within one call: a later zero means something.
+    let same = host.command("testbed", "stain_then_residue", json!({})).await;
+    assert_eq!(same.status, 200, "{}", same.text);
+    assert!(number(&same.text) >= 512 * 1024, "{}", same.text);
+    for round in 0..10 {
+        let command = if round % 2 == 1 { "stain_then_trap" } else { "stain" };
+        let stained = host.command("testbed", command, json!({})).await;
+        assert!(
+            stained.status == 200 || stained.code() == "plugin_trap",
+            "{}",
+            stained.text
+        );
+        let residue = host.command("testbed", "residue", json!({})).await;
+        assert_eq!(residue.status, 200, "{}", residue.text);
+        assert_eq!(
+            number(&residue.text),
+            0,
+            "round {round}: a call saw a stain of an earlier one"
+        );
+    }
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_same_idempotency_key_runs_the_handler_once() {
     let host = spawn_host(&["testbed"]).await;

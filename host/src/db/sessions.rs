@@ -57,15 +57,14 @@ pub enum SessionError {
 }
 
 /// Begins, and says which backend and which transaction (its start, in microseconds).
-const BEGIN: &str = "BEGIN; SELECT pg_catalog.pg_backend_pid(), \
-     pg_catalog.int8(pg_catalog.date_part('epoch', pg_catalog.now()) OPERATOR(pg_catalog.*) 1000000)";
+/// The reads at both ends of a call are `obx_api` functions (migration 0003), whose plans
+/// the session keeps: as plain text they were planned anew at every call.
+const BEGIN: &str = "BEGIN; SELECT * FROM obx_api.call_begin()";
 /// What no host statement leaves, read before the session is cleared: prepared statements
 /// made with SQL (a `PREPARE` could take the name of one of the host's), and the start of the
-/// transaction (a plugin that ended the host's transaction itself is in another one). Every
-/// name is qualified: the session's search path is the plugin's to change.
-const CHECK: &str = "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_prepared_statements WHERE from_sql), \
-     pg_catalog.int8(pg_catalog.date_part('epoch', pg_catalog.now()) OPERATOR(pg_catalog.*) 1000000), \
-     pg_catalog.pg_advisory_unlock_all() IS NULL";
+/// transaction (a plugin that ended the host's transaction itself is in another one). It
+/// also releases session advisory locks.
+const CHECK: &str = "SELECT * FROM obx_api.call_check()";
 /// Clears what a statement could leave on a session: session advisory locks (in [`CHECK`]),
 /// cursors, `LISTEN`s, settings and the role, temporary objects, sequence state.
 const CLEAR: &str = "CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; DISCARD TEMP; DISCARD SEQUENCES";

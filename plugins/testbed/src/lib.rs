@@ -33,6 +33,10 @@ impl Guest for Testbed {
                 "respond",
                 "huge",
                 "sequenced",
+                "stain",
+                "residue",
+                "stain_then_residue",
+                "stain_then_trap",
             ]
             .into_iter()
             .map(String::from)
@@ -85,6 +89,17 @@ impl Guest for Testbed {
                 return Ok(format!("\"{}\"", "x".repeat(n.saturating_sub(2))));
             }
             "sequenced" => return sequenced(&p),
+            "stain" => return Ok(stain().to_string()),
+            "residue" => return Ok(residue().to_string()),
+            // Shows that `residue` sees what `stain` leaves, within one call.
+            "stain_then_residue" => {
+                stain();
+                return Ok(residue().to_string());
+            }
+            "stain_then_trap" => {
+                stain();
+                panic!("the testbed traps with a stained memory");
+            }
             _ => {}
         }
         write_and_emit(&id)?;
@@ -195,6 +210,44 @@ fn sequenced(p: &Value) -> Result<String, HandlerError> {
         return Err(HandlerError::Failed("asked to fail after emitting".into()));
     }
     Ok(json!({ "key": key, "seq": seq }).to_string())
+}
+
+/// A word no call writes but `stain`. It lives in the code only (an immediate), never in
+/// linear memory, so `residue` finds it only where a call put it.
+const STAIN: u64 = 0x0bc0_ffee_5a1e_d00d;
+
+static mut STAINED: [u64; 512] = [0; 512];
+
+/// Writes [`STAIN`] across 4 MiB of heap and a static, and keeps them: what a later call
+/// could see if memory outlived its Store.
+fn stain() -> usize {
+    let heap = vec![std::hint::black_box(STAIN); 512 * 1024];
+    let words = heap.len();
+    std::mem::forget(heap);
+    // SAFETY: one call runs at a time in an instance; nothing else touches this static.
+    unsafe {
+        let stained = &raw mut STAINED;
+        for i in 0..512 {
+            std::ptr::write_volatile((stained as *mut u64).add(i), STAIN);
+        }
+    }
+    words + 512
+}
+
+/// Counts the words of the whole linear memory that hold [`STAIN`].
+fn residue() -> usize {
+    let end = core::arch::wasm32::memory_size(0) * 65536;
+    let mut found = 0;
+    // From 8: address 0 is the null pointer.
+    for address in (8..end).step_by(8) {
+        // SAFETY: every address below memory_size * 64 KiB is in bounds, and any bit pattern
+        // is a valid u64.
+        // The constant stays an immediate: `black_box` would put a copy on the stack.
+        if unsafe { std::ptr::read_volatile(address as *const u64) } == STAIN {
+            found += 1;
+        }
+    }
+    found
 }
 
 fn recurse(n: u64) -> u64 {
