@@ -4,6 +4,8 @@
 //!
 //! * `commands` — commands/s through the Wasm handler, next to the same logic as a native
 //!   Rust handler in the same transaction, and next to pgbench running the same SQL.
+//! * `profile` — where a command's CPU goes, stage by stage, native and Wasm, from `perf`
+//!   samples of every CPU; and the flame graph of the Wasm run.
 //! * `rss` — the host's resident memory with no plugin and with ten.
 //! * `relay` — the relay's drain rate over 100,000 stored rows, next to raw rdkafka
 //!   producing the same messages to the same broker; commit-to-ack latency at a fixed event
@@ -12,6 +14,7 @@
 //! Postgres runs as a throwaway cluster with `fsync` on, as in production; Kafka is the
 //! librdkafka mock cluster (in memory, real protocol) unless `KAFKA_BROKERS` is set.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,7 @@ use serde_json::json;
 use sqlx::PgPool;
 
 mod chart;
+mod profile;
 
 /// What the suites print, kept for the report.
 static REPORT: std::sync::Mutex<Report> = std::sync::Mutex::new(Report {
@@ -93,6 +97,17 @@ enum Bench {
         #[arg(long, default_value_t = 16)]
         clients: usize,
     },
+    /// Where a command's CPU goes (`perf`, every CPU), native and Wasm, and the flame graph
+    /// of the Wasm run.
+    Profile {
+        #[arg(long, default_value = "8s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Where the flame graph goes.
+        #[arg(long, default_value = "docs/bench")]
+        charts: std::path::PathBuf,
+    },
     /// Resident memory of `obx serve` with no plugin and with ten.
     Rss,
     /// Relay drain rate, commit-to-ack latency, and the relay's cost to command throughput.
@@ -118,6 +133,11 @@ fn main() -> Result<()> {
             Bench::Relay { rows, rate, duration } => relay(rows, rate, duration).await,
             Bench::Report { out } => report(&out).await,
             Bench::Commands { duration, clients } => commands(duration, clients).await,
+            Bench::Profile {
+                duration,
+                clients,
+                charts,
+            } => profile_commands(duration, clients, &charts).await,
             Bench::Rss => rss().await,
             Bench::Consume { events } => consume(events).await,
             Bench::Reload => reload().await,
@@ -748,13 +768,7 @@ const INSERT_ORDER: &str = "INSERT INTO orders (id, customer_id, amount, status,
 async fn commands(duration: Duration, clients: usize) -> Result<()> {
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
-    std::fs::copy(obx_tests::plugin("orders"), plugins.path().join("orders.wasm"))?;
-    let url = env.database().await?;
-    let mut config = env.config(&url, plugins.path());
-    config.relay.enabled = false;
-    config.consumer.enabled = false;
-    config.database.plugin_max_connections = clients as u32;
-    let host = obx::app::start(config).await?;
+    let (host, url) = orders_host(&env, plugins.path(), clients).await?;
     let pool = PgPool::connect(&url).await?;
     let (schema, role, password): (String, String, String) = sqlx::query_as(
         "SELECT p.schema_name, p.role_name, c.password FROM obx.plugin p \
@@ -767,9 +781,9 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
     sqlx::query(&truncate).execute(&pool).await?;
     let pgbench = run_pgbench(&env, &url, (&role, &password), clients, duration).await?;
     sqlx::query(&truncate).execute(&pool).await?;
-    let native = native_orders(&host, clients, duration).await?;
+    let native = native_orders(&host, clients, duration, profile::counter()).await?;
     sqlx::query(&truncate).execute(&pool).await?;
-    let wasm = wasm_orders(&host, clients, duration).await?;
+    let wasm = wasm_orders(&host, clients, duration, profile::counter()).await?;
     host.shutdown().await?;
 
     out!("## Command throughput: CreateOrder, {clients} concurrent callers, {duration:?} each, no HTTP\n");
@@ -844,13 +858,91 @@ async fn run_pgbench(
         .with_context(|| format!("no tps in pgbench's output: {text}"))
 }
 
+/// A host serving the orders plugin from `plugins`, relay and consumers off, with a plugin
+/// session for each of `clients`; and its database URL.
+async fn orders_host(env: &Env, plugins: &std::path::Path, clients: usize) -> Result<(obx::app::Host, String)> {
+    std::fs::copy(obx_tests::plugin("orders"), plugins.join("orders.wasm"))?;
+    let url = env.database().await?;
+    let mut config = env.config(&url, plugins);
+    config.relay.enabled = false;
+    config.consumer.enabled = false;
+    config.database.plugin_max_connections = clients as u32;
+    Ok((obx::app::start(config).await?, url))
+}
+
+/// Where a command's CPU goes, in microseconds, native and Wasm (see `profile.rs`); and the
+/// flame graph of the Wasm run, written to `charts`.
+async fn profile_commands(duration: Duration, clients: usize, charts: &std::path::Path) -> Result<()> {
+    out!("## Where a command's CPU goes: CreateOrder, {clients} concurrent callers, no HTTP\n");
+    if let Err(e) = profile::available() {
+        out!("Not measured: {e:#}.\n");
+        return Ok(());
+    }
+    let env = Env::start()?;
+    let plugins = tempfile::tempdir()?;
+    let (host, _url) = orders_host(&env, plugins.path(), clients).await?;
+    let scratch = tempfile::tempdir()?;
+    // Sampling starts a second into each run and ends a second before it.
+    let run = duration + Duration::from_secs(2);
+    let sample = |name: &'static str, done: Arc<AtomicU64>| {
+        let dir = scratch.path().to_path_buf();
+        async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            profile::sample(&dir, name, duration, &done).await
+        }
+    };
+    let done = profile::counter();
+    let (rate, native) = tokio::join!(native_orders(&host, clients, run, done.clone()), sample("native", done));
+    let (native_rate, native) = (rate?, native?);
+    let done = profile::counter();
+    let (rate, wasm) = tokio::join!(wasm_orders(&host, clients, run, done.clone()), sample("wasm", done));
+    let (wasm_rate, wasm) = (rate?, wasm?);
+    host.shutdown().await?;
+
+    let native_rows = profile::breakdown(&native);
+    let wasm_rows = profile::breakdown(&wasm);
+    out!("CPU time per command, µs, on every CPU (the host and its Postgres backends), sampled by");
+    out!("`perf` at {} Hz for {duration:?} in each run:\n", 499);
+    out!("| stage | native handler | Wasm handler |");
+    out!("| --- | ---: | ---: |");
+    let find = |rows: &[(&str, f64)], label: &str| rows.iter().find(|(l, _)| *l == label).map_or(0.0, |r| r.1);
+    let mut labels: Vec<&str> = wasm_rows.iter().map(|r| r.0).collect();
+    for (l, _) in &native_rows {
+        if !labels.contains(l) {
+            labels.push(l);
+        }
+    }
+    for label in labels {
+        out!(
+            "| {label} | {:.1} | {:.1} |",
+            find(&native_rows, label),
+            find(&wasm_rows, label)
+        );
+    }
+    let total = |rows: &[(&str, f64)]| rows.iter().map(|r| r.1).sum::<f64>();
+    out!(
+        "| **total** | **{:.0}** | **{:.0}** |",
+        total(&native_rows),
+        total(&wasm_rows)
+    );
+    out!("| commands/s while sampled | {native_rate:.0} | {wasm_rate:.0} |\n");
+    std::fs::create_dir_all(charts)?;
+    std::fs::write(
+        charts.join("commands-flame.svg"),
+        profile::flame_graph(&wasm, "CreateOrder through the Wasm handler: every CPU")?,
+    )?;
+    out!("![flame graph of the Wasm run](bench/commands-flame.svg)\n");
+    Ok(())
+}
+
 /// The orders handler's logic in native Rust, in the transaction shape the host gives a
 /// Wasm handler: the host's own plugin sessions, outbox writer and commit.
-async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration) -> Result<f64> {
+async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration, done: Arc<AtomicU64>) -> Result<f64> {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
         let sessions = host.sessions.clone();
+        let done_total = done.clone();
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
@@ -882,6 +974,7 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
                 obx::outbox::writer::insert(&mut tx, "0.1.0", None, &[event]).await?;
                 tx.commit().await?;
                 done += 1;
+                done_total.fetch_add(1, Ordering::Relaxed);
             }
             anyhow::Ok(done)
         });
@@ -895,11 +988,12 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
 
 /// CreateOrder through the dispatcher: a fresh Store per call, the Wasm handler, the
 /// host's transaction.
-async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration) -> Result<f64> {
+async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration, done: Arc<AtomicU64>) -> Result<f64> {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
         let dispatcher = host.dispatcher.clone();
+        let done_total = done.clone();
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
@@ -916,6 +1010,7 @@ async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration) 
                     .await
                     .map_err(|e| anyhow::anyhow!("CreateOrder: {e}"))?;
                 done += 1;
+                done_total.fetch_add(1, Ordering::Relaxed);
             }
             anyhow::Ok(done)
         });
@@ -1042,6 +1137,8 @@ async fn rss() -> Result<()> {
 /// Runs every suite, then writes the report and its charts.
 async fn report(path: &std::path::Path) -> Result<()> {
     commands(Duration::from_secs(10), 16).await?;
+    let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
+    profile_commands(Duration::from_secs(8), 16, &charts).await?;
     relay(100_000, 1000, Duration::from_secs(21)).await?;
     latency(1000, 5, Duration::from_secs(20)).await?;
     consume(50_000).await?;
@@ -1049,7 +1146,6 @@ async fn report(path: &std::path::Path) -> Result<()> {
     rss().await?;
 
     let report = REPORT.lock().unwrap();
-    let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
     std::fs::create_dir_all(&charts)?;
     let mut doc = String::new();
     doc.push_str(HEADER);
@@ -1149,6 +1245,11 @@ const NOTES: &str = "
   handler: a pool, JSON in and out, the session's check and clearing with the commit. The
   Wasm handler adds a fresh instance per call (pooling allocator), the guest's JSON work,
   and the host calls for SQL and emit.
+- **Where a command's CPU goes.** Every CPU is sampled, so the table counts the Postgres
+  backends' work for a command next to the host's; each sampled stack goes to the first
+  stage whose frames it holds (`tests/bench/profile.rs` lists them). Postgres's own symbols
+  are only those it exports, which is enough for the stages named here. The machine is
+  saturated in both runs, so the totals are close to 2 CPUs divided by the rate.
 - **Relay drain.** Per batch of 1,000 the relay claims (index scan, row locks), waits for
   acknowledgements, and marks `published_at`, which writes a new row version and its index
   entries: that, not Kafka, is most of the gap to raw produce. The mark does not wait for
