@@ -562,6 +562,68 @@ async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
     host.shutdown().await;
 }
 
+/// Plugin code can still run at a `COMMIT`, after everything the host sends before it: a
+/// deferred constraint trigger. What it leaves on the session is cleared at the session's
+/// next `BEGIN`, and a session where it made a prepared statement is closed then.
+#[tokio::test]
+async fn what_plugin_code_leaves_at_commit_is_cleared_before_the_next_call() {
+    let host = spawn_host_with(&["testbed"], |c| c.database.plugin_max_connections = 1).await;
+    let sessions = host.host.sessions.clone();
+    type State = (i32, i32, String, i32, i32);
+    let probe = "SELECT pg_backend_pid(), \
+        (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())::int4, \
+        current_setting('work_mem'), \
+        (SELECT count(*) FROM pg_listening_channels())::int4, \
+        (SELECT count(*) FROM pg_prepared_statements WHERE from_sql)::int4";
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let before: State = sqlx::query_as(probe).fetch_one(&mut *tx).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE late (n int); \
+         CREATE FUNCTION late() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           PERFORM pg_advisory_lock(11); \
+           PERFORM set_config('work_mem', '600MB', false); \
+           EXECUTE 'LISTEN late'; \
+           IF NEW.n = 2 THEN EXECUTE 'PREPARE planted_late AS SELECT 1'; END IF; \
+           RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER late AFTER INSERT ON late DEFERRABLE INITIALLY DEFERRED \
+           FOR EACH ROW EXECUTE FUNCTION late(); \
+         INSERT INTO late VALUES (1)",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let fired = host
+        .count("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = 11")
+        .await;
+    assert!(
+        fired >= 1,
+        "the trigger ran at COMMIT: its lock is held by the idle session"
+    );
+
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let after: State = sqlx::query_as(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(after, before, "what the trigger left at COMMIT reached the next call");
+
+    sqlx::raw_sql("INSERT INTO late VALUES (2)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    let last: State = sqlx::query_as(probe).fetch_one(&mut *tx).await.unwrap();
+    assert_ne!(
+        last.0, before.0,
+        "a session with a prepared statement made at COMMIT was reused"
+    );
+    assert_eq!(
+        (last.1, last.2, last.3, last.4),
+        (before.1, before.2, before.3, before.4)
+    );
+    tx.rollback().await.unwrap();
+    host.shutdown().await;
+}
+
 /// `pg_locks` is readable by every session, so a plugin with any SQL could find the relay's
 /// locks and take them, holding up every plugin's events. Its session is terminated, and the
 /// outbox keeps flowing.

@@ -902,7 +902,7 @@ async fn profile_commands(duration: Duration, clients: usize, charts: &std::path
     let native_rows = profile::breakdown(&native);
     let wasm_rows = profile::breakdown(&wasm);
     out!("CPU time per command, µs, on every CPU (the host and its Postgres backends), sampled by");
-    out!("`perf` at {} Hz for {duration:?} in each run:\n", 499);
+    out!("`perf` at {} Hz for {duration:?} in each run:\n", profile::FREQUENCY);
     out!("| stage | native handler | Wasm handler |");
     out!("| --- | ---: | ---: |");
     let find = |rows: &[(&str, f64)], label: &str| rows.iter().find(|(l, _)| *l == label).map_or(0.0, |r| r.1);
@@ -925,7 +925,7 @@ async fn profile_commands(duration: Duration, clients: usize, charts: &std::path
         total(&native_rows),
         total(&wasm_rows)
     );
-    out!("| commands/s while sampled | {native_rate:.0} | {wasm_rate:.0} |\n");
+    out!("| commands/s over the run | {native_rate:.0} | {wasm_rate:.0} |\n");
     std::fs::create_dir_all(charts)?;
     std::fs::write(
         charts.join("commands-flame.svg"),

@@ -15,8 +15,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use inferno::collapse::Collapse;
 
-/// Sampling frequency per CPU.
-const FREQUENCY: &str = "499";
+/// Sampling frequency per CPU, in Hz.
+pub const FREQUENCY: &str = "499";
 
 /// One sampled window: folded stacks (frames `;`-joined, process name first) with their CPU
 /// time in nanoseconds, and the commands completed meanwhile.
@@ -48,16 +48,10 @@ pub async fn sample(dir: &Path, name: &str, duration: Duration, done: &AtomicU64
         let secs = format!("{:.1}", duration.as_secs_f64());
         tokio::task::spawn_blocking(move || {
             Command::new("perf")
-                .args([
-                    "record",
-                    "-a",
-                    "-F",
-                    FREQUENCY,
-                    "--call-graph",
-                    "dwarf,8192",
-                    "-q",
-                    "-o",
-                ])
+                // cpu-clock: each sample's period is in nanoseconds on every machine (the
+                // default event is `cycles` where there is a PMU).
+                .args(["record", "-a", "-e", "cpu-clock", "-F", FREQUENCY])
+                .args(["--call-graph", "dwarf,8192", "-q", "-o"])
                 .arg(&data)
                 .args(["--", "sleep", &secs])
                 .stdout(std::process::Stdio::null())
@@ -70,14 +64,19 @@ pub async fn sample(dir: &Path, name: &str, duration: Duration, done: &AtomicU64
     if !status.success() {
         bail!("perf record failed: {status}");
     }
-    let script = Command::new("perf")
-        .args(["script", "--no-inline", "-i"])
-        .arg(&data)
-        .output()
-        .context("running perf script")?;
-    let _ = std::fs::remove_file(&data);
-    let mut folded = Vec::new();
-    inferno::collapse::perf::Folder::default().collapse(&script.stdout[..], &mut folded)?;
+    // Symbolising takes seconds: off the async workers, which still serve the load.
+    let folded = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+        let script = Command::new("perf")
+            .args(["script", "--no-inline", "-i"])
+            .arg(&data)
+            .output()
+            .context("running perf script")?;
+        let _ = std::fs::remove_file(&data);
+        let mut folded = Vec::new();
+        inferno::collapse::perf::Folder::default().collapse(&script.stdout[..], &mut folded)?;
+        Ok(folded)
+    })
+    .await??;
     let stacks = String::from_utf8_lossy(&folded)
         .lines()
         .filter_map(|line| {
@@ -126,7 +125,12 @@ const STAGES: &[Stage] = &[
     stage(
         "host: Store drop, memory reset",
         false,
-        &["Store<T>::into_data", "deallocate", "drop_in_place<wasmtime"],
+        &[
+            "Store<T>::into_data",
+            "PoolingInstanceAllocator",
+            "decommit",
+            "drop_in_place<wasmtime",
+        ],
     ),
     stage("host: other Wasm runtime", false, &["wasmtime", "cranelift"]),
     stage("host: outbox insert", false, &["obx::outbox::writer"]),

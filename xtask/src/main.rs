@@ -86,6 +86,10 @@ fn main() -> Result<()> {
         }
         Task::Bench { args } => {
             ensure_postgres()?;
+            // The profile suite samples with perf; without it, the report says so and goes on.
+            if let Err(e) = ensure_command("perf", "linux-perf") {
+                eprintln!("perf is not available ({e:#}): the report has no CPU breakdown");
+            }
             let plugins = build_plugins(&root)?;
             build_extra_plugins(&root, &plugins)?;
             let args = if args.is_empty() {

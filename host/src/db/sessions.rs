@@ -9,9 +9,12 @@
 //!
 //! Invariants:
 //! * A plugin session is used only inside a transaction that the host began ([`PluginTx`]).
-//! * A session goes back to its pool only after a transaction that ended cleanly, with
-//!   everything a statement could leave on it cleared in the same round trip as the commit
-//!   or rollback: session advisory locks, cursors, `LISTEN`s, settings, temporary objects.
+//! * A session goes back to its pool only after a transaction that ended cleanly and left
+//!   no prepared statement made by SQL, with what a statement could leave on it (cursors,
+//!   `LISTEN`s, settings, temporary objects) cleared in the same round trip as the commit or
+//!   rollback, after it: what plugin code does during a `COMMIT` is cleared too. Session
+//!   advisory locks are released, and prepared statements counted, again at the next call's
+//!   `BEGIN`: a session found with one then is closed.
 //!   A session whose transaction did not end cleanly is closed, never reused; one that may
 //!   still be running a statement is also terminated.
 
@@ -52,22 +55,31 @@ pub enum SessionError {
     Login(String),
     #[error("could not set a new password for a plugin's role: {0}")]
     Rotate(String),
+    #[error("plugin {0:?}'s sessions keep coming back with prepared statements made by SQL")]
+    Tampered(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
 
-/// Begins, and says which backend and which transaction (its start, in microseconds).
-/// The reads at both ends of a call are `obx_api` functions (migration 0003), whose plans
-/// the session keeps: as plain text they were planned anew at every call.
+/// Begins, and says which backend, which transaction (its start, in microseconds), and how
+/// many prepared statements SQL made since the last check (plugin code can still run at the
+/// previous call's `COMMIT`: a deferred constraint trigger). It also releases session
+/// advisory locks. The reads at both ends of a call are `obx_api` functions (migration
+/// 0003), whose plans the session keeps: sent as text they were planned anew at every call.
 const BEGIN: &str = "BEGIN; SELECT * FROM obx_api.call_begin()";
-/// What no host statement leaves, read before the session is cleared: prepared statements
-/// made with SQL (a `PREPARE` could take the name of one of the host's), and the start of the
-/// transaction (a plugin that ended the host's transaction itself is in another one). It
-/// also releases session advisory locks.
+/// Read before the commit: the start of the transaction (a plugin that ended the host's
+/// transaction itself is in another one). It also releases session advisory locks.
+/// Prepared statements are counted once per call, at the next `BEGIN`: a statement SQL made
+/// during a call can only act within the plugin's own call, and the session is closed before
+/// it serves another.
 const CHECK: &str = "SELECT * FROM obx_api.call_check()";
-/// Clears what a statement could leave on a session: session advisory locks (in [`CHECK`]),
-/// cursors, `LISTEN`s, settings and the role, temporary objects, sequence state.
+/// Clears what a statement could leave on a session: cursors, `LISTEN`s, settings and the
+/// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
+/// same round trip, so that it also clears what plugin code did during the commit.
 const CLEAR: &str = "CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; DISCARD TEMP; DISCARD SEQUENCES";
+/// How many sessions a call tries before it gives up on finding one that SQL left no
+/// prepared statement on.
+const BEGIN_ATTEMPTS: usize = 3;
 
 impl Sessions {
     pub fn new(database_url: &str, host: PgPool, config: &DatabaseConfig) -> anyhow::Result<Sessions> {
@@ -162,23 +174,38 @@ impl Sessions {
             .get(name)
             .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), pool.clone()))
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
-        let mut conn = pool.acquire().await?;
-        // A plain string goes over the simple protocol: both statements in one round trip.
-        let row = (&mut *conn).fetch_one(BEGIN).await;
-        match row.and_then(|row| Ok((row.try_get::<i32, _>(0)?, row.try_get::<i64, _>(1)?))) {
-            Ok((pid, started)) => Ok(PluginTx {
-                conn: Some(conn),
-                pid,
-                started,
-                role,
-                host: self.host.clone(),
-                poisoned: false,
-            }),
-            Err(e) => {
-                conn.close_on_drop();
-                Err(e.into())
+        for _ in 0..BEGIN_ATTEMPTS {
+            let mut conn = pool.acquire().await?;
+            // A plain string goes over the simple protocol: every statement in one round trip.
+            let row = (&mut *conn).fetch_one(BEGIN).await.and_then(|row| {
+                Ok((
+                    row.try_get::<i32, _>(0)?,
+                    row.try_get::<i64, _>(1)?,
+                    row.try_get::<i64, _>(2)?,
+                ))
+            });
+            match row {
+                Ok((pid, started, 0)) => {
+                    return Ok(PluginTx {
+                        conn: Some(conn),
+                        pid,
+                        started,
+                        role,
+                        host: self.host.clone(),
+                        poisoned: false,
+                    })
+                }
+                Ok((_, _, prepared)) => {
+                    tampered(&role, prepared, true);
+                    conn.close_on_drop();
+                }
+                Err(e) => {
+                    conn.close_on_drop();
+                    return Err(e.into());
+                }
             }
         }
+        Err(SessionError::Tampered(name.to_string()))
     }
 
     /// Closes every pool (at shutdown).
@@ -228,29 +255,26 @@ impl PluginTx {
         self.finish(false).await
     }
 
-    /// Ends the transaction and clears the session in one round trip. The clearing runs
-    /// inside the transaction before a commit (what a failed commit undoes was undone with
-    /// it), and after a rollback (for what a plugin may have committed itself). A session
-    /// that was tampered with is closed even when the commit went through.
+    /// Ends the transaction and clears the session in one round trip, after the commit or
+    /// rollback, so that what plugin code did during a commit is cleared too. Before a
+    /// commit, [`CHECK`] reads whether the plugin ended the host's transaction itself; if it
+    /// did, the session is closed even when the commit went through. (An error after a
+    /// `COMMIT` that went through reads as a failed commit: only a plugin that changed its
+    /// own session's settings can cause one, to its own call.)
     async fn finish(&mut self, commit: bool) -> sqlx::Result<()> {
-        let sql = if commit {
-            format!("{CHECK}; {CLEAR}; COMMIT")
-        } else {
-            format!("ROLLBACK; {CHECK}; {CLEAR}")
-        };
         let conn = self.conn.as_mut().expect("open until consumed");
-        let rows = (&mut **conn).fetch_all(sql.as_str()).await?;
-        let check = rows.first().ok_or(sqlx::Error::RowNotFound)?;
-        let prepared: i64 = check.try_get(0)?;
-        let same_transaction = check.try_get::<i64, _>(1)? == self.started;
-        if prepared > 0 || (commit && !same_transaction) {
-            tracing::warn!(
-                role = %self.role, prepared, same_transaction,
-                "a plugin session made prepared statements or ended its transaction itself; it is closed"
-            );
-            metrics::counter!("obx_plugin_sessions_tampered_total", "role" => self.role.to_string()).increment(1);
-            // `Drop` closes it.
-            return Ok(());
+        if commit {
+            let rows = (&mut **conn)
+                .fetch_all(format!("{CHECK}; COMMIT; {CLEAR}").as_str())
+                .await?;
+            let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
+            if started != self.started {
+                tampered(&self.role, 0, false);
+                // `Drop` closes it.
+                return Ok(());
+            }
+        } else {
+            (&mut **conn).execute(format!("ROLLBACK; {CLEAR}").as_str()).await?;
         }
         // Clean: back to the pool. On error, `Drop` closes it instead.
         drop(self.conn.take());
@@ -273,6 +297,18 @@ impl PluginTx {
     pub fn abandon(mut self) {
         self.poisoned = true;
     }
+}
+
+/// Reports a session that SQL left prepared statements on, or whose transaction the plugin
+/// ended itself: it is closed, never reused.
+fn tampered(role: &str, prepared: i64, same_transaction: bool) {
+    tracing::warn!(
+        role,
+        prepared,
+        same_transaction,
+        "a plugin session made prepared statements or ended its transaction itself; it is closed"
+    );
+    metrics::counter!("obx_plugin_sessions_tampered_total", "role" => role.to_string()).increment(1);
 }
 
 /// Closes a session without reading what it may still send, and terminates its backend.

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use tokio::sync::Semaphore;
 use wasmtime::component::{HasSelf, Linker};
-use wasmtime::{Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
+use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
 
 use self::bindings::{guest, types::HandlerError};
 pub use self::manifest::Manifest;
@@ -40,10 +40,6 @@ use crate::sql_policy::PolicyError;
 
 /// How often the epoch advances; a runaway guest is stopped within one tick of its deadline.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
-
-/// Bytes of each pooled linear memory, and of each table, kept resident between calls.
-const KEEP_RESIDENT_MEMORY: usize = 1024 * 1024;
-const KEEP_RESIDENT_TABLE: usize = 64 * 1024;
 
 pub struct Runtime {
     engine: Engine,
@@ -189,13 +185,10 @@ impl Runtime {
             .total_tables(instances * 4)
             .total_stacks(instances)
             .max_memory_size(limits.memory_bytes as usize)
-            .table_elements(state::MAX_TABLE_ELEMENTS)
-            // A slot's pages stay mapped between calls: the pages a call dirtied are found
-            // with PAGEMAP_SCAN (Linux 6.7+) and reset in place, instead of an madvise (and
-            // its TLB shootdown) at every drop and a page fault at every first touch.
-            .pagemap_scan(Enabled::Auto)
-            .linear_memory_keep_resident(KEEP_RESIDENT_MEMORY)
-            .table_keep_resident(KEEP_RESIDENT_TABLE);
+            // Slots are reset with madvise when a Store drops. Not `pagemap_scan`: in
+            // wasmtime 48 its reset skips written pages that are swapped out, which the next
+            // Store in the slot would read.
+            .table_elements(state::MAX_TABLE_ELEMENTS);
         let mut config = wasmtime::Config::new();
         config
             .wasm_component_model(true)

@@ -90,11 +90,11 @@ impl Guest for Testbed {
             }
             "sequenced" => return sequenced(&p),
             "stain" => return Ok(stain().to_string()),
-            "residue" => return Ok(residue().to_string()),
+            "residue" => return Ok(residue(p["pages"].as_u64().unwrap_or(0) as usize).to_string()),
             // Shows that `residue` sees what `stain` leaves, within one call.
             "stain_then_residue" => {
-                stain();
-                return Ok(residue().to_string());
+                let pages = stain();
+                return Ok(residue(pages).to_string());
             }
             "stain_then_trap" => {
                 stain();
@@ -218,12 +218,11 @@ const STAIN: u64 = 0x0bc0_ffee_5a1e_d00d;
 
 static mut STAINED: [u64; 512] = [0; 512];
 
-/// Writes [`STAIN`] across 4 MiB of heap and a static, and keeps them: what a later call
-/// could see if memory outlived its Store.
+/// Writes [`STAIN`] across 4 MiB of heap (grown memory) and a static, and keeps them: what
+/// a later call could see if memory outlived its Store. Returns the memory's size in pages.
 fn stain() -> usize {
-    let heap = vec![std::hint::black_box(STAIN); 512 * 1024];
-    let words = heap.len();
-    std::mem::forget(heap);
+    let heap: &'static mut [u64] = Vec::leak(vec![STAIN; 512 * 1024]);
+    std::hint::black_box(&heap);
     // SAFETY: one call runs at a time in an instance; nothing else touches this static.
     unsafe {
         let stained = &raw mut STAINED;
@@ -231,18 +230,23 @@ fn stain() -> usize {
             std::ptr::write_volatile((stained as *mut u64).add(i), STAIN);
         }
     }
-    words + 512
+    core::arch::wasm32::memory_size(0)
 }
 
-/// Counts the words of the whole linear memory that hold [`STAIN`].
-fn residue() -> usize {
+/// Counts the words of linear memory that hold [`STAIN`], after growing it to at least
+/// `pages` (a fresh instance's pages past its initial size are not even mapped).
+fn residue(pages: usize) -> usize {
+    let size = core::arch::wasm32::memory_size(0);
+    if pages > size && core::arch::wasm32::memory_grow(0, pages - size) == usize::MAX {
+        return usize::MAX;
+    }
     let end = core::arch::wasm32::memory_size(0) * 65536;
     let mut found = 0;
     // From 8: address 0 is the null pointer.
     for address in (8..end).step_by(8) {
         // SAFETY: every address below memory_size * 64 KiB is in bounds, and any bit pattern
-        // is a valid u64.
-        // The constant stays an immediate: `black_box` would put a copy on the stack.
+        // is a valid u64. The constant stays an immediate: `black_box` would put a copy on
+        // the stack.
         if unsafe { std::ptr::read_volatile(address as *const u64) } == STAIN {
             found += 1;
         }
