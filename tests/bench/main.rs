@@ -905,25 +905,15 @@ async fn profile_commands(duration: Duration, clients: usize, charts: &std::path
     out!("`perf` at {} Hz for {duration:?} in each run:\n", profile::FREQUENCY);
     out!("| stage | native handler | Wasm handler |");
     out!("| --- | ---: | ---: |");
-    let find = |rows: &[(&str, f64)], label: &str| rows.iter().find(|(l, _)| *l == label).map_or(0.0, |r| r.1);
-    let mut labels: Vec<&str> = wasm_rows.iter().map(|r| r.0).collect();
-    for (l, _) in &native_rows {
-        if !labels.contains(l) {
-            labels.push(l);
+    for ((label, native), wasm) in profile::labels().zip(&native_rows).zip(&wasm_rows) {
+        if *native > 0.0 || *wasm > 0.0 {
+            out!("| {label} | {native:.1} | {wasm:.1} |");
         }
     }
-    for label in labels {
-        out!(
-            "| {label} | {:.1} | {:.1} |",
-            find(&native_rows, label),
-            find(&wasm_rows, label)
-        );
-    }
-    let total = |rows: &[(&str, f64)]| rows.iter().map(|r| r.1).sum::<f64>();
     out!(
         "| **total** | **{:.0}** | **{:.0}** |",
-        total(&native_rows),
-        total(&wasm_rows)
+        native_rows.iter().sum::<f64>(),
+        wasm_rows.iter().sum::<f64>()
     );
     out!("| commands/s over the run | {native_rate:.0} | {wasm_rate:.0} |\n");
     std::fs::create_dir_all(charts)?;

@@ -5,7 +5,6 @@
 //! stacks; each stack is given to the first stage whose frames it contains. A stage's CPU
 //! time divided by the commands completed while sampling is its cost per command.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -187,30 +186,26 @@ const STAGES: &[Stage] = &[
     stage("Postgres: other", true, &[""]),
 ];
 
-/// Microseconds of CPU per command, by stage label, in the order of [`STAGES`]; other
-/// processes (the load generator, the kernel's threads) under "other processes".
-pub fn breakdown(window: &Window) -> Vec<(&'static str, f64)> {
-    let mut by_stage: BTreeMap<usize, u64> = BTreeMap::new();
-    let mut others = 0u64;
+/// The rows of [`breakdown`]: every stage, then the other processes (the load generator, the
+/// kernel's threads).
+pub fn labels() -> impl Iterator<Item = &'static str> {
+    STAGES.iter().map(|s| s.label).chain(["other processes"])
+}
+
+/// Microseconds of CPU per command, one for each of [`labels`].
+pub fn breakdown(window: &Window) -> Vec<f64> {
+    let mut ns = vec![0u64; STAGES.len() + 1];
     for (stack, weight) in &window.stacks {
         let process = stack.split(';').next().unwrap_or_default();
         let postgres = process == "postgres";
         let ours = postgres || process.starts_with("tokio-rt-worker") || process.starts_with("obx");
-        let found = STAGES
+        let stage = STAGES
             .iter()
             .position(|s| ours && s.postgres == postgres && s.frames.iter().any(|f| stack.contains(f)));
-        match found {
-            Some(i) => *by_stage.entry(i).or_default() += weight,
-            None => others += weight,
-        }
+        ns[stage.unwrap_or(STAGES.len())] += weight;
     }
-    let per_command = |ns: u64| ns as f64 / 1e3 / window.commands.max(1) as f64;
-    let mut rows: Vec<(&'static str, f64)> = by_stage
-        .into_iter()
-        .map(|(i, ns)| (STAGES[i].label, per_command(ns)))
-        .collect();
-    rows.push(("other processes", per_command(others)));
-    rows
+    let commands = window.commands.max(1) as f64;
+    ns.into_iter().map(|n| n as f64 / 1e3 / commands).collect()
 }
 
 /// The flame graph of a window, as SVG.

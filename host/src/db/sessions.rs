@@ -195,8 +195,8 @@ impl Sessions {
                         poisoned: false,
                     })
                 }
-                Ok((_, _, prepared)) => {
-                    tampered(&role, prepared, true);
+                Ok(_) => {
+                    tampered(&role, "SQL made prepared statements on it");
                     conn.close_on_drop();
                 }
                 Err(e) => {
@@ -269,7 +269,7 @@ impl PluginTx {
                 .await?;
             let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
             if started != self.started {
-                tampered(&self.role, 0, false);
+                tampered(&self.role, "the plugin ended the host's transaction itself");
                 // `Drop` closes it.
                 return Ok(());
             }
@@ -299,15 +299,9 @@ impl PluginTx {
     }
 }
 
-/// Reports a session that SQL left prepared statements on, or whose transaction the plugin
-/// ended itself: it is closed, never reused.
-fn tampered(role: &str, prepared: i64, same_transaction: bool) {
-    tracing::warn!(
-        role,
-        prepared,
-        same_transaction,
-        "a plugin session made prepared statements or ended its transaction itself; it is closed"
-    );
+/// Reports a session a plugin tampered with (`how`): it is closed, never reused.
+fn tampered(role: &str, how: &str) {
+    tracing::warn!(role, how, "a plugin tampered with its session; it is closed");
     metrics::counter!("obx_plugin_sessions_tampered_total", "role" => role.to_string()).increment(1);
 }
 
