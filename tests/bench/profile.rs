@@ -64,6 +64,7 @@ pub async fn sample(dir: &Path, name: &str, duration: Duration, done: &AtomicU64
         bail!("perf record failed: {status}");
     }
     // Symbolising takes seconds: off the async workers, which still serve the load.
+    let name = name.to_string();
     let folded = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
         let script = Command::new("perf")
             .args(["script", "--no-inline", "-i"])
@@ -73,6 +74,10 @@ pub async fn sample(dir: &Path, name: &str, duration: Duration, done: &AtomicU64
         let _ = std::fs::remove_file(&data);
         let mut folded = Vec::new();
         inferno::collapse::perf::Folder::default().collapse(&script.stdout[..], &mut folded)?;
+        // For a closer look (grep, inferno-flamegraph): OBX_BENCH_FOLDED=<dir> keeps them.
+        if let Some(keep) = std::env::var_os("OBX_BENCH_FOLDED") {
+            std::fs::write(Path::new(&keep).join(format!("{name}.folded")), &folded)?;
+        }
         Ok(folded)
     })
     .await??;
@@ -144,7 +149,14 @@ const STAGES: &[Stage] = &[
         &["metrics::", "metrics_exporter", "metrics_util"],
     ),
     stage("host: tracing", false, &["tracing_subscriber", "tracing_core"]),
-    stage("host: native handler's statements (sqlx)", false, &["sqlx"]),
+    stage("host: relay (claim, mark)", false, &["obx::outbox::relay"]),
+    stage("host: consumer (poll, dedup, batches)", false, &["obx::inbox::"]),
+    stage(
+        "host: HTTP (hyper, axum)",
+        false,
+        &["hyper::", "axum::", "tower::", "tower_http::"],
+    ),
+    stage("host: native handler's and other statements (sqlx)", false, &["sqlx"]),
     stage("host: JSON", false, &["serde_json"]),
     stage(
         "host: kernel (network, scheduling)",
@@ -186,23 +198,38 @@ const STAGES: &[Stage] = &[
     stage("Postgres: other", true, &[""]),
 ];
 
-/// The rows of [`breakdown`]: every stage, then the other processes (the load generator, the
-/// kernel's threads).
+/// Threads that are not stages of a command, by name: the Kafka clients' own threads (and
+/// the mock broker's), and the load generators.
+const THREADS: &[(&str, &str)] = &[
+    ("Kafka client threads (librdkafka, mock broker)", "rdk:"),
+    ("load generator (wrk)", "wrk"),
+];
+
+/// The rows of [`breakdown`]: every stage, the [`THREADS`], then the other processes (the
+/// kernel's threads, perf).
 pub fn labels() -> impl Iterator<Item = &'static str> {
-    STAGES.iter().map(|s| s.label).chain(["other processes"])
+    STAGES
+        .iter()
+        .map(|s| s.label)
+        .chain(THREADS.iter().map(|(label, _)| *label))
+        .chain(["other processes"])
 }
 
 /// Microseconds of CPU per command, one for each of [`labels`].
 pub fn breakdown(window: &Window) -> Vec<f64> {
-    let mut ns = vec![0u64; STAGES.len() + 1];
+    let mut ns = vec![0u64; STAGES.len() + THREADS.len() + 1];
     for (stack, weight) in &window.stacks {
         let process = stack.split(';').next().unwrap_or_default();
         let postgres = process == "postgres";
         let ours = postgres || process.starts_with("tokio-rt-worker") || process.starts_with("obx");
         let stage = STAGES
             .iter()
-            .position(|s| ours && s.postgres == postgres && s.frames.iter().any(|f| stack.contains(f)));
-        ns[stage.unwrap_or(STAGES.len())] += weight;
+            .position(|s| ours && s.postgres == postgres && s.frames.iter().any(|f| stack.contains(f)))
+            .or_else(|| {
+                let thread = THREADS.iter().position(|(_, name)| process.starts_with(name))?;
+                Some(STAGES.len() + thread)
+            });
+        ns[stage.unwrap_or(STAGES.len() + THREADS.len())] += weight;
     }
     let commands = window.commands.max(1) as f64;
     ns.into_iter().map(|n| n as f64 / 1e3 / commands).collect()

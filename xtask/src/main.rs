@@ -90,6 +90,8 @@ fn main() -> Result<()> {
             if let Err(e) = ensure_command("perf", "linux-perf") {
                 eprintln!("perf is not available ({e:#}): the report has no CPU breakdown");
             }
+            // The HTTP suite's load generator.
+            ensure_command("wrk", "wrk")?;
             let plugins = build_plugins(&root)?;
             build_extra_plugins(&root, &plugins)?;
             let args = if args.is_empty() {

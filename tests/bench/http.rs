@@ -1,0 +1,232 @@
+//! The HTTP suite: what a client of the service sees. wrk (a load generator in its own
+//! process, as a user would run one) keeps 16 connections busy with
+//! `POST /v1/commands/orders/CreateOrder` against a host that also runs its relay and the
+//! inventory plugin's consumer of `OrderCreated`; pgbench runs the handler's SQL on the same
+//! database in the same run, as the ceiling.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use sqlx::PgPool;
+
+use crate::{chart, compare, profile, run_pgbench, Env};
+
+/// What wrk measured.
+struct Wrk {
+    rate: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result<()> {
+    let env = Env::start()?;
+    let plugins = tempfile::tempdir()?;
+    for name in ["orders", "inventory"] {
+        std::fs::copy(obx_tests::plugin(name), plugins.path().join(format!("{name}.wasm")))?;
+    }
+    let url = env.database().await?;
+    let mut config = env.config(&url, plugins.path());
+    config.database.plugin_max_connections = connections as u32;
+    let host = obx::app::start(config).await?;
+    let pool = PgPool::connect(&url).await?;
+    wait_subscribed(&host, &pool).await?;
+    let (schema, role, password): (String, String, String) = sqlx::query_as(
+        "SELECT p.schema_name, p.role_name, c.password FROM obx.plugin p \
+         JOIN obx.plugin_credential c ON c.role_name = p.role_name WHERE p.name = 'orders'",
+    )
+    .fetch_one(&pool)
+    .await?;
+
+    let pgbench = run_pgbench(&env, &url, (&role, &password), connections, duration).await?;
+    let orders = |pool: &PgPool| {
+        let sql = format!("SELECT count(*) FROM \"{schema}\".orders");
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(&sql).fetch_one(&pool).await }
+    };
+    // pgbench's events go out through the relay and the consumer too: let both finish with
+    // them before wrk starts.
+    let before = orders(&pool).await?;
+    crate::wait_published(&pool).await?;
+    wait_consumed(&pool, before).await?;
+    let consumed_before = consumed(&pool).await?;
+
+    let target = format!("{}/v1/commands/orders/CreateOrder", host.url());
+    let (wrk, window) = if sample {
+        let done = Arc::new(AtomicU64::new(0));
+        let counting = count_orders(pool.clone(), orders, done.clone(), duration + Duration::from_secs(2));
+        let scratch = tempfile::tempdir()?;
+        let sampling = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            profile::sample(scratch.path(), "http", duration - Duration::from_secs(2), &done).await
+        };
+        let (wrk, window, _) = tokio::join!(run_wrk(&target, connections, duration), sampling, counting);
+        (wrk?, Some(window?))
+    } else {
+        (run_wrk(&target, connections, duration).await?, None)
+    };
+    let stopped = Instant::now();
+    let commands = orders(&pool).await? - before;
+    let consumed_at_stop = consumed(&pool).await? - consumed_before;
+    // The consumer's backlog at the end of the run, and how long it took to clear.
+    let caught_up = wait_consumed(&pool, consumed_before + commands).await?;
+    crate::wait_published(&pool).await?;
+    let published = stopped.elapsed();
+    host.shutdown().await?;
+
+    out!("## Commands over HTTP: wrk, {connections} connections, {duration:?}, relay and consumer running\n");
+    out!("`POST /v1/commands/orders/CreateOrder` (no Idempotency-Key) against a host serving `orders` and");
+    out!("`inventory` (which consumes every `OrderCreated`), with {connections} plugin sessions. wrk runs in its");
+    out!("own process on the same 2 CPUs.\n");
+    out!("| | commands/s | ratio to pgbench | p50 | p99 |");
+    out!("| --- | ---: | ---: | ---: | ---: |");
+    out!("| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | | |");
+    out!(
+        "| OBX over HTTP | {:.0} | {:.2} | {:.1} ms | {:.1} ms |\n",
+        wrk.rate,
+        wrk.rate / pgbench,
+        wrk.p50_ms,
+        wrk.p99_ms
+    );
+    out!(
+        "{commands} orders were committed; inventory had handled {consumed_at_stop} of their events when wrk \
+         stopped, and all of them {:.1} s later; the relay had published every row {:.1} s after the stop.\n",
+        caught_up.as_secs_f64(),
+        published.as_secs_f64()
+    );
+    compare(chart::Comparison::new(
+        "http",
+        "CreateOrder over HTTP, relay and consumer running",
+        "commands/s",
+        ("pgbench, same SQL", pgbench),
+        vec![("OBX over HTTP (wrk)".into(), wrk.rate)],
+    ));
+    if let Some(window) = window {
+        out!("CPU time per command over HTTP, µs, on every CPU, sampled as above; the relay, the consumer");
+        out!("and their Postgres work are in the figures, spread over the stages they run:\n");
+        out!("| stage | Wasm handler over HTTP |");
+        out!("| --- | ---: |");
+        let rows = profile::breakdown(&window);
+        for (label, us) in profile::labels().zip(&rows) {
+            if *us > 0.0 {
+                out!("| {label} | {us:.1} |");
+            }
+        }
+        out!("| **total** | **{:.0}** |\n", rows.iter().sum::<f64>());
+    }
+    Ok(())
+}
+
+/// Waits until the inventory consumer handles events: one order goes through the whole
+/// path first, so that the run measures a consumer at work rather than one still joining.
+async fn wait_subscribed(host: &obx::app::Host, pool: &PgPool) -> Result<()> {
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("{}/v1/commands/orders/CreateOrder", host.url()))
+        .json(&serde_json::json!({ "customerId": "c-warm-up", "amount": 1 }))
+        .send()
+        .await?;
+    anyhow::ensure!(r.status() == 200, "the warm-up command failed: {}", r.status());
+    wait_consumed(pool, 1).await.map(drop)
+}
+
+/// Events the dedup consumer has handled.
+async fn consumed(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM obx.processed_event")
+        .fetch_one(pool)
+        .await?)
+}
+
+/// Waits for the consumer to have handled `total` events; returns how long that took.
+async fn wait_consumed(pool: &PgPool, total: i64) -> Result<Duration> {
+    let started = Instant::now();
+    while consumed(pool).await? < total {
+        if started.elapsed() > Duration::from_secs(300) {
+            bail!("the consumer did not catch up within 5 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(started.elapsed())
+}
+
+/// Copies the committed-orders count into `done` every 100 ms, for the profile's per-command
+/// figures (wrk reports only at its end).
+async fn count_orders<F, Fut>(pool: PgPool, orders: F, done: Arc<AtomicU64>, run: Duration)
+where
+    F: Fn(&PgPool) -> Fut,
+    Fut: std::future::Future<Output = sqlx::Result<i64>>,
+{
+    let started = Instant::now();
+    let Ok(base) = orders(&pool).await else { return };
+    while started.elapsed() < run {
+        if let Ok(n) = orders(&pool).await {
+            done.store((n - base).max(0) as u64, Ordering::Relaxed);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs wrk with a POST of one CreateOrder body on every request.
+async fn run_wrk(url: &str, connections: usize, duration: Duration) -> Result<Wrk> {
+    let script = tempfile::Builder::new().suffix(".lua").tempfile()?;
+    std::fs::write(
+        script.path(),
+        "wrk.method = \"POST\"\n\
+         wrk.body = '{\"customerId\":\"c-1\",\"amount\":10}'\n\
+         wrk.headers[\"Content-Type\"] = \"application/json\"\n",
+    )?;
+    let mut cmd = Command::new("wrk");
+    cmd.args(["--latency", "-t", "2", "-c", &connections.to_string()])
+        .args(["-d", &format!("{}s", duration.as_secs().max(1)), "-s"])
+        .arg(script.path())
+        .arg(url);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await?
+        .context("running wrk (Debian: apt-get install wrk)")?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    if !out.status.success() {
+        bail!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    parse_wrk(&text)
+}
+
+fn parse_wrk(text: &str) -> Result<Wrk> {
+    if let Some(line) = text.lines().find(|l| l.contains("Non-2xx or 3xx responses")) {
+        bail!("commands failed over HTTP: {}", line.trim());
+    }
+    if let Some(line) = text.lines().find(|l| l.contains("Socket errors")) {
+        bail!("wrk saw socket errors: {}", line.trim());
+    }
+    let rate = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("no Requests/sec in wrk's output: {text}"))?;
+    let percentile = |p: &str| -> Result<f64> {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(p))
+            .and_then(|v| milliseconds(v.trim()))
+            .with_context(|| format!("no {p} latency in wrk's output: {text}"))
+    };
+    Ok(Wrk {
+        rate,
+        p50_ms: percentile("50%")?,
+        p99_ms: percentile("99%")?,
+    })
+}
+
+/// wrk's durations: `812.00us`, `4.21ms`, `1.02s`, `2.00m`.
+fn milliseconds(v: &str) -> Option<f64> {
+    let split = v.find(|c: char| c.is_ascii_alphabetic())?;
+    let (n, unit) = v.split_at(split);
+    let n: f64 = n.parse().ok()?;
+    Some(match unit {
+        "us" => n / 1000.0,
+        "ms" => n,
+        "s" => n * 1000.0,
+        "m" => n * 60_000.0,
+        _ => return None,
+    })
+}
