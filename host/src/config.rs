@@ -59,6 +59,14 @@ pub struct ConsumerConfig {
     pub max_message_bytes: usize,
     /// Partitions a plugin's consumer works on at once (each partition stays in order).
     pub lanes: u32,
+    /// The most events a lane takes at once: in dedup mode they run in one transaction (a
+    /// savepoint each), in inbox mode they are stored with one statement. Whatever the lane
+    /// has queued is taken, up to this; 1 turns batching off. Postgres keeps 64
+    /// subtransactions per transaction in shared memory, and more slow down every
+    /// session's snapshots, so the limit is 64.
+    pub batch_max_events: u32,
+    /// The most message bytes a lane takes at once.
+    pub batch_max_bytes: usize,
     /// Inbox processors per host.
     pub inbox_processors: u32,
     /// Fallback poll of the inbox processors.
@@ -77,6 +85,8 @@ impl Default for ConsumerConfig {
             backoff_max: Duration::from_secs(5),
             max_message_bytes: 1024 * 1024,
             lanes: 8,
+            batch_max_events: 32,
+            batch_max_bytes: 1024 * 1024,
             inbox_processors: 4,
             inbox_poll_interval: Duration::from_millis(500),
             auto_commit_interval_ms: 1000,
@@ -674,6 +684,12 @@ impl Config {
         }
         if self.consumer.lanes == 0 {
             return invalid("consumer.lanes", "must be at least 1");
+        }
+        if !(1..=64).contains(&self.consumer.batch_max_events) {
+            return invalid("consumer.batch_max_events", "must be 1 to 64");
+        }
+        if self.consumer.batch_max_bytes == 0 {
+            return invalid("consumer.batch_max_bytes", "must be greater than 0");
         }
         if self.consumer.backoff_initial.is_zero() || self.consumer.backoff_max < self.consumer.backoff_initial {
             return invalid(

@@ -392,6 +392,23 @@ pub struct EventFailure {
     pub tx: Option<PluginTx>,
 }
 
+/// What a `handle-event` call that returned `ok` emitted, not yet written.
+pub struct Emitted {
+    pub events: Vec<outbox::NewEvent>,
+    /// The plugin version that handled the event, and the trace context its events carry.
+    pub version: String,
+    pub traceparent: String,
+}
+
+impl Emitted {
+    /// Writes the outbox rows into the event's transaction. A batch calls this for each of
+    /// its events just before its commit (outbox ids are taken at the end of a transaction).
+    pub async fn write(&self, tx: &mut PluginTx) -> sqlx::Result<usize> {
+        outbox::writer::insert(tx, &self.version, Some(&self.traceparent), &self.events).await?;
+        Ok(self.events.len())
+    }
+}
+
 impl Dispatcher {
     /// Runs `handle-event` in `tx`. The caller writes its own bookkeeping (the dedup row,
     /// the inbox mark) first, through `obx_api`; on success the handler's writes and its outbox
@@ -405,6 +422,27 @@ impl Dispatcher {
         event: guest::Event,
         parent_trace: Option<&TraceContext>,
     ) -> Result<(PluginTx, usize), EventFailure> {
+        let (mut tx, emitted) = self.call_event(plugin, tx, event, parent_trace).await?;
+        match emitted.write(&mut tx).await {
+            Ok(written) => Ok((tx, written)),
+            Err(e) => Err(EventFailure {
+                error: format!("database: {e}"),
+                retriable: true,
+                tx: Some(tx),
+            }),
+        }
+    }
+
+    /// Runs `handle-event` in `tx` and hands back what it emitted, unwritten: the caller
+    /// writes it with [`Emitted::write`] before the commit. On failure the transaction
+    /// comes back in the [`EventFailure`], for the caller to roll back.
+    pub async fn call_event(
+        &self,
+        plugin: &Plugin,
+        tx: PluginTx,
+        event: guest::Event,
+        parent_trace: Option<&TraceContext>,
+    ) -> Result<(PluginTx, Emitted), EventFailure> {
         let trace = TraceContext::child_of(parent_trace);
         let span = tracing::info_span!(
             "event",
@@ -416,33 +454,29 @@ impl Dispatcher {
             span_id = %trace.span_id(),
             parent_span_id = %crate::trace::parent_field(parent_trace),
         );
-        self.run_event_in_span(plugin, tx, event, &trace).instrument(span).await
+        self.call_event_in_span(plugin, tx, event, &trace)
+            .instrument(span)
+            .await
     }
 
-    async fn run_event_in_span(
+    async fn call_event_in_span(
         &self,
         plugin: &Plugin,
         tx: PluginTx,
         event: guest::Event,
         trace: &TraceContext,
-    ) -> Result<(PluginTx, usize), EventFailure> {
+    ) -> Result<(PluginTx, Emitted), EventFailure> {
         let started = Instant::now();
         let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
-        let handled = started.elapsed();
         let outcome = match (result, tx) {
-            (Ok(()), Some(mut tx)) => {
-                let traceparent = trace.header();
-                let written =
-                    outbox::writer::insert(&mut tx, &plugin.manifest.version, Some(&traceparent), &events).await;
-                match written {
-                    Ok(()) => Ok((tx, events.len())),
-                    Err(e) => Err(EventFailure {
-                        error: format!("database: {e}"),
-                        retriable: true,
-                        tx: Some(tx),
-                    }),
-                }
-            }
+            (Ok(()), Some(tx)) => Ok((
+                tx,
+                Emitted {
+                    events,
+                    version: plugin.manifest.version.clone(),
+                    traceparent: trace.header(),
+                },
+            )),
             (Ok(()), None) => Err(EventFailure {
                 error: "the call lost its transaction".into(),
                 retriable: true,
@@ -460,7 +494,7 @@ impl Dispatcher {
                 })
             }
         };
-        tracing::trace!(?handled, took = ?started.elapsed(), "event handler");
+        tracing::trace!(took = ?started.elapsed(), "event handler");
         let label = if outcome.is_ok() { "ok" } else { "failed" };
         metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
             .increment(1);

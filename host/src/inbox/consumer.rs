@@ -13,7 +13,7 @@ use std::time::Duration;
 use futures::FutureExt as _;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
-use sqlx::{PgConnection, PgPool};
+use sqlx::{Executor as _, PgConnection, PgPool};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 /// Message bytes (KiB) a consumer holds in its lanes at most.
@@ -208,27 +208,207 @@ impl Lane {
         mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
         consumer: Arc<StreamConsumer<LagReporter>>,
     ) {
-        while let Some((m, _permit)) = rx.recv().await {
+        while let Some(first) = rx.recv().await {
+            // Whatever else is queued goes with it, up to the batch limits: a batch never
+            // waits to fill.
+            let mut bytes = first.0.payload().map_or(0, <[u8]>::len);
+            let mut queued = vec![first];
+            while queued.len() < self.config.batch_max_events as usize && bytes < self.config.batch_max_bytes {
+                match rx.try_recv() {
+                    Ok(m) => {
+                        bytes += m.0.payload().map_or(0, <[u8]>::len);
+                        queued.push(m);
+                    }
+                    Err(_) => break,
+                }
+            }
             if *self.shutdown.borrow() {
                 // What is still queued is delivered again to whoever takes the partition.
                 return;
             }
-            match self.handle_guarded(&m).await {
-                Done::Settled => {
-                    // After a rebalance the partition may belong to another host; its
-                    // redelivery is then a dedup hit.
-                    let _ = consumer.store_offset(m.topic(), m.partition(), m.offset());
-                }
-                Done::Stopped => return,
+            let messages: Vec<&OwnedMessage> = queued.iter().map(|(m, _)| m).collect();
+            // After a rebalance the partition may belong to another host; its redelivery
+            // is then a dedup hit.
+            let settle = |m: &OwnedMessage| {
+                let _ = consumer.store_offset(m.topic(), m.partition(), m.offset());
+            };
+            if let Done::Stopped = self.handle_all(&messages, &settle).await {
+                return;
             }
         }
     }
 
+    /// Handles messages in order, settling each as it is done: runs of dedup-mode events
+    /// in one transaction each ([`Lane::try_batch`]), everything else one at a time.
+    async fn handle_all(&self, messages: &[&OwnedMessage], settle: &(dyn Fn(&OwnedMessage) + Sync)) -> Done {
+        let mut i = 0;
+        while i < messages.len() {
+            let (mode, run) = self.run_of(&messages[i..]);
+            let mut first_failure = None;
+            if run.len() > 1 {
+                let (committed, failure) = match mode {
+                    DeliveryMode::Dedup => self.try_batch(&run).await,
+                    DeliveryMode::Inbox => (self.store_batch(&run).await, None),
+                };
+                for m in &messages[i..i + committed] {
+                    settle(m);
+                }
+                i += committed;
+                first_failure = failure;
+                if i == messages.len() {
+                    break;
+                }
+            }
+            // One message alone: the path that retries, parks, stores in the inbox and
+            // quarantines. A batch's failed event comes here with its first attempt counted.
+            match self.handle_guarded(messages[i], first_failure).await {
+                Done::Settled => settle(messages[i]),
+                Done::Stopped => return Done::Stopped,
+            }
+            i += 1;
+        }
+        Done::Settled
+    }
+
+    /// The leading messages that a batch can take: events of subscriptions of one mode
+    /// (`Some`), and messages that this plugin skips (`None`: not subscribed).
+    fn run_of(&self, messages: &[&OwnedMessage]) -> (DeliveryMode, Vec<Option<Incoming>>) {
+        let mut run = Vec::new();
+        let mut mode = None;
+        let Some(plugin) = self.registry.get(&self.plugin) else {
+            return (DeliveryMode::Dedup, run);
+        };
+        for m in messages {
+            let Ok(event) = Incoming::parse(*m, self.config.max_message_bytes, &self.topic_prefix) else {
+                break;
+            };
+            match plugin.manifest.subscriptions.iter().find(|s| s.topic == event.topic) {
+                Some(s) if s.event_types.is_empty() || s.event_types.contains(&event.event_type) => {
+                    if *mode.get_or_insert(s.mode) != s.mode {
+                        break;
+                    }
+                    run.push(Some(event));
+                }
+                _ => run.push(None),
+            }
+        }
+        (mode.unwrap_or(DeliveryMode::Dedup), run)
+    }
+
+    /// Inbox mode, batched: stores the events of `run` with one statement. Returns how
+    /// many leading messages are settled: all, or none after a database error (they then
+    /// go one at a time).
+    async fn store_batch(&self, run: &[Option<Incoming>]) -> usize {
+        let events: Vec<&Incoming> = run.iter().flatten().collect();
+        let stored = async {
+            let mut conn = self.pool().acquire().await?;
+            store_all_in_inbox(&mut conn, &self.plugin, &events).await
+        };
+        match stored.await {
+            Ok(()) => {
+                self.inbox.notify();
+                run.len()
+            }
+            Err(e) => {
+                tracing::warn!(plugin = %self.plugin, error = %e, "storing a batch in the inbox failed; its events go one at a time");
+                0
+            }
+        }
+    }
+
+    /// Dedup mode, batched: the events of `run` in one transaction on the plugin's session,
+    /// each behind a savepoint of its own, their outbox rows written just before the one
+    /// commit. Stops at the first event that cannot be done here: one whose handler failed
+    /// (rolled back to its savepoint alone; its failure is returned, for the one-at-a-time
+    /// path to retry or park), or whose key is parked. Returns how many leading events
+    /// committed; after a database error, none.
+    async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Option<FirstFailure>) {
+        let Some(plugin) = self.registry.get(&self.plugin) else {
+            return (0, None);
+        };
+        match self.batch(&plugin, run).await {
+            Ok(Batch::Committed(n, failure)) => (n, failure),
+            // The transaction was lost with event `n`: the events before it are done again,
+            // without it; it goes on alone.
+            Ok(Batch::Lost(n, failure)) if n > 0 => match self.batch(&plugin, &run[..n]).await {
+                Ok(Batch::Committed(done, None)) if done == n => (n, Some(failure)),
+                _ => (0, None),
+            },
+            Ok(Batch::Lost(..)) => (0, None),
+            Err(e) => {
+                tracing::warn!(plugin = %self.plugin, error = %e, "a batch failed; its events go one at a time");
+                (0, None)
+            }
+        }
+    }
+
+    async fn batch(&self, plugin: &crate::runtime::Plugin, run: &[Option<Incoming>]) -> anyhow::Result<Batch> {
+        let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
+        let mut handled = Vec::with_capacity(run.len());
+        let mut stop = None;
+        let mut done = 0;
+        for event in run {
+            let Some(event) = event else {
+                done += 1;
+                continue;
+            };
+            // Nested savepoints of one name: a rollback to it undoes this event alone.
+            tx.execute("SAVEPOINT obx_event").await?;
+            let (parked, fresh) = begin_event(&mut tx, event).await?;
+            if parked {
+                tx.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
+                break;
+            }
+            if !fresh {
+                metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
+                done += 1;
+                continue;
+            }
+            let parent = event.headers.get("traceparent").and_then(|t| TraceContext::parse(t));
+            match self
+                .dispatcher
+                .call_event(plugin, tx, event.to_guest(1), parent.as_ref())
+                .await
+            {
+                Ok((back, emitted)) => {
+                    tx = back;
+                    handled.push(emitted);
+                    done += 1;
+                }
+                Err(mut failure) => {
+                    let first = FirstFailure {
+                        error: std::mem::take(&mut failure.error),
+                        retriable: failure.retriable,
+                    };
+                    match failure.tx.take() {
+                        Some(mut back) if !back.is_poisoned() => {
+                            back.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
+                            tx = back;
+                            stop = Some(first);
+                            break;
+                        }
+                        _ => return Ok(Batch::Lost(done, first)),
+                    }
+                }
+            }
+        }
+        // Outbox ids are taken at the end of the transaction, as for a single call.
+        let mut emitted = 0;
+        for h in &handled {
+            emitted += h.write(&mut tx).await?;
+        }
+        self.dispatcher.commit_event(tx, emitted).await?;
+        metrics::histogram!("obx_consumer_batch_events", "plugin" => self.plugin.clone()).record(done as f64);
+        Ok(Batch::Committed(done, stop))
+    }
     /// [`Lane::handle`], retried after a pause if it panics: a bug must not stop the lane,
     /// nor move the partition past the message.
-    async fn handle_guarded(&self, m: &OwnedMessage) -> Done {
+    async fn handle_guarded(&self, m: &OwnedMessage, mut first_failure: Option<FirstFailure>) -> Done {
         loop {
-            match std::panic::AssertUnwindSafe(self.handle(m)).catch_unwind().await {
+            let handled = std::panic::AssertUnwindSafe(self.handle(m, first_failure.take()))
+                .catch_unwind()
+                .await;
+            match handled {
                 Ok(done) => return done,
                 Err(_) => {
                     tracing::error!(plugin = %self.plugin, topic = m.topic(), partition = m.partition(),
@@ -245,7 +425,7 @@ impl Lane {
         &self.dispatcher.pool
     }
 
-    async fn handle(&self, m: &OwnedMessage) -> Done {
+    async fn handle(&self, m: &OwnedMessage, first_failure: Option<FirstFailure>) -> Done {
         let event = match Incoming::parse(m, self.config.max_message_bytes, &self.topic_prefix) {
             Ok(e) => e,
             Err(reason) => {
@@ -270,16 +450,26 @@ impl Lane {
                 self.inbox.notify();
                 done
             }
-            DeliveryMode::Dedup => self.handle_dedup(&event).await,
+            DeliveryMode::Dedup => self.handle_dedup(&event, first_failure).await,
         }
     }
 
-    /// Dedup mode: one transaction, on the plugin's own session, inserts the
+    /// Dedup mode, one event: one transaction, on the plugin's own session, inserts the
     /// `processed_event` row (through `obx_api.begin_event`), runs the handler and commits
-    /// both. A second delivery finds the row and does nothing.
-    async fn handle_dedup(&self, event: &Incoming) -> Done {
+    /// both. A second delivery finds the row and does nothing. `first_failure` is the
+    /// failure of an attempt already made in a batch.
+    async fn handle_dedup(&self, event: &Incoming, first_failure: Option<FirstFailure>) -> Done {
         let started = std::time::Instant::now();
         let mut attempt = 1;
+        if let Some(failure) = first_failure {
+            match self
+                .after_failure(event, attempt, &failure.error, failure.retriable)
+                .await
+            {
+                Some(done) => return done,
+                None => attempt += 1,
+            }
+        }
         loop {
             let Some(plugin) = self.registry.get(&self.plugin) else {
                 return Done::Stopped;
@@ -288,13 +478,7 @@ impl Lane {
                 let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
                 // One statement: is the key parked behind a dead letter, and if not, is this
                 // event new? (It records the event as processed, in this transaction.)
-                let (parked, fresh): (bool, bool) =
-                    sqlx::query_as("SELECT parked, fresh FROM obx_api.begin_event($1, $2, $3)")
-                        .bind(event.event_id)
-                        .bind(&event.topic)
-                        .bind(&event.key)
-                        .fetch_one(&mut *tx)
-                        .await?;
+                let (parked, fresh) = begin_event(&mut tx, event).await?;
                 if parked {
                     tx.rollback().await?;
                     // Wait behind the parked event of this key, in the inbox.
@@ -333,18 +517,13 @@ impl Lane {
                     return Done::Settled;
                 }
                 Ok(Step::Failed(failure)) => {
-                    tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt,
-                        error = %failure.error, "event handler failed");
-                    if !failure.retriable || attempt >= self.config.max_attempts {
-                        return self.retry_db(DbStep::Park(event, attempt, &failure.error)).await;
-                    }
-                    if self
-                        .pause(backoff(self.config.backoff_initial, self.config.backoff_max, attempt))
+                    match self
+                        .after_failure(event, attempt, &failure.error, failure.retriable)
                         .await
                     {
-                        return Done::Stopped;
+                        Some(done) => return done,
+                        None => attempt += 1,
                     }
-                    attempt += 1;
                 }
                 Err(e) => {
                     // The database, not the handler: wait for it, without using up attempts.
@@ -355,6 +534,20 @@ impl Lane {
                 }
             }
         }
+    }
+
+    /// After attempt `attempt` of an event failed: parks it if that was the last attempt or
+    /// another cannot help, or waits out the backoff (`None`: try again).
+    async fn after_failure(&self, event: &Incoming, attempt: u32, error: &str, retriable: bool) -> Option<Done> {
+        tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt, error, "event handler failed");
+        if !retriable || attempt >= self.config.max_attempts {
+            return Some(self.retry_db(DbStep::Park(event, attempt, error)).await);
+        }
+        let pause = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
+        if self.pause(pause).await {
+            return Some(Done::Stopped);
+        }
+        None
     }
 
     /// Runs a database step until it succeeds, or shutdown.
@@ -399,6 +592,34 @@ enum Step {
     Failed(crate::dispatch::EventFailure),
 }
 
+/// How a batch ended.
+enum Batch {
+    /// Its first `n` messages committed; the failure of the next one's handler, if that is
+    /// why it stopped there.
+    Committed(usize, Option<FirstFailure>),
+    /// The transaction was lost with the handler of message `n` (a call killed while its
+    /// statement ran): nothing committed.
+    Lost(usize, FirstFailure),
+}
+
+/// A handler's failure in a batch, carried over to the event's next attempt.
+struct FirstFailure {
+    error: String,
+    retriable: bool,
+}
+
+/// Records the event as processed in `tx`, through `obx_api.begin_event`, in one statement:
+/// whether its key is parked behind a dead letter (then nothing is recorded), and whether
+/// the event is new.
+async fn begin_event(tx: &mut PgConnection, event: &Incoming) -> sqlx::Result<(bool, bool)> {
+    sqlx::query_as("SELECT parked, fresh FROM obx_api.begin_event($1, $2, $3)")
+        .bind(event.event_id)
+        .bind(&event.topic)
+        .bind(&event.key)
+        .fetch_one(tx)
+        .await
+}
+
 /// The database writes a lane retries until they succeed.
 #[derive(Clone, Copy)]
 enum DbStep<'a> {
@@ -420,6 +641,31 @@ pub(crate) async fn store_in_inbox(conn: &mut PgConnection, consumer: &str, e: &
     .bind(&e.event_type)
     .bind(&e.key)
     .bind(e.headers_json())
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Stores events in the inbox, in their order, each once, with one statement.
+async fn store_all_in_inbox(conn: &mut PgConnection, consumer: &str, events: &[&Incoming]) -> sqlx::Result<()> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers) \
+         SELECT $1, e.event_id, e.topic, e.payload::jsonb, e.event_type, e.partition_key, e.headers \
+         FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::jsonb[]) WITH ORDINALITY \
+              AS e(event_id, topic, payload, event_type, partition_key, headers, n) \
+         ORDER BY e.n \
+         ON CONFLICT (consumer, event_id) DO NOTHING",
+    )
+    .bind(consumer)
+    .bind(events.iter().map(|e| e.event_id).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| e.payload.as_str()).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| e.event_type.as_str()).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| e.key.as_deref()).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| e.headers_json()).collect::<Vec<_>>())
     .execute(conn)
     .await?;
     Ok(())

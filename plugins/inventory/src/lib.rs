@@ -90,7 +90,11 @@ impl Guest for Inventory {
     fn handle_event(event: Event) -> Result<(), HandlerError> {
         let order: OrderCreated =
             serde_json::from_str(&event.payload).map_err(|e| invalid(format!("OrderCreated: {e}")))?;
-        for item in &order.items {
+        // Product rows are locked in one order, whatever the order's item order: two
+        // orders that share products never wait for each other in a cycle.
+        let mut items: Vec<&Item> = order.items.iter().collect();
+        items.sort_by(|a, b| a.product_id.cmp(&b.product_id));
+        for item in items {
             let reserved = execute(
                 "UPDATE products SET reserved_quantity = reserved_quantity + $2, updated_at = now() \
                  WHERE id = $1 AND quantity - reserved_quantity >= $2",
