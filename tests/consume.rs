@@ -324,6 +324,77 @@ async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
     host.shutdown().await;
 }
 
+#[tokio::test]
+async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() {
+    let broker = broker();
+    let first = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.enabled = false;
+    })
+    .await;
+    let p = producer(&broker.bootstrap);
+    let topic = first.topic(INBOX);
+    let mut ids = Vec::new();
+    for seq in 0..60 {
+        let poison = seq == 31;
+        ids.push(
+            send_event(
+                &p,
+                &topic,
+                &format!("k{}", seq % 2),
+                "Thing",
+                &json!({ "seq": seq, "poison": poison }),
+            )
+            .await,
+        );
+    }
+    let url = first.database_url.clone();
+    first.shutdown().await;
+    let host = spawn_host_on(&url, &["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.max_attempts = 2;
+        c.consumer.inbox_processors = 2;
+    })
+    .await;
+    // k0 (even seqs) flows; k1 stops at 31, parked, and 33..59 wait behind it.
+    eventually(Duration::from_secs(30), "k0 done and k1 parked at 31", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 1
+            && host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 30 + 15
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await,
+        45
+    );
+    assert_eq!(total_effects(&host).await, 45, "each event handled once");
+    assert_eq!(
+        host.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
+        45
+    );
+    assert_eq!(effects(&host, ids[31]).await, 0);
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    assert_eq!((letters.len(), letters[0].waiting, letters[0].attempts), (1, 14, 2));
+    let disorder = host
+        .count(
+            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at) AS prev \
+             FROM testbed.effects) t WHERE prev > seq",
+        )
+        .await;
+    assert_eq!(disorder, 0, "per-key order across batches");
+    // Rows handled in one transaction share its start time.
+    let transactions = host
+        .count("SELECT count(DISTINCT processed_at) FROM obx.inbox_event WHERE processed")
+        .await;
+    assert!(
+        transactions < 45,
+        "45 events took {transactions} transactions: no batch"
+    );
+    host.shutdown().await;
+}
+
 async fn send_many(
     p: &rdkafka::producer::FutureProducer,
     topic: &str,

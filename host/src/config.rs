@@ -59,13 +59,15 @@ pub struct ConsumerConfig {
     pub max_message_bytes: usize,
     /// Partitions a plugin's consumer works on at once (each partition stays in order).
     pub lanes: u32,
-    /// The most events a lane takes at once: in dedup mode they run in one transaction (a
-    /// savepoint each), in inbox mode they are stored with one statement. Whatever the lane
-    /// has queued is taken, up to this; 1 turns batching off. Postgres keeps 64
+    /// The most events a lane takes from its queue at once (whatever it has queued, up to
+    /// this: a batch never waits to fill): in dedup mode they run in one transaction, a
+    /// savepoint each; in inbox mode they are stored with one statement. Inbox processors
+    /// handle up to this many events (a key's next ones) in one transaction too. 1 turns
+    /// batching off. Postgres keeps 64
     /// subtransactions per transaction in shared memory, and more slow down every
     /// session's snapshots, so the limit is 64.
     pub batch_max_events: u32,
-    /// The most message bytes a lane takes at once.
+    /// The most message bytes a lane takes from its queue at once.
     pub batch_max_bytes: usize,
     /// Inbox processors per host.
     pub inbox_processors: u32,

@@ -427,25 +427,194 @@ async fn consume(events: u32) -> Result<()> {
         .await?;
         rates.push((mode, (events - 1) as f64 / span));
     }
+    // The dedup path's SQL, one transaction per event, on the plugin's own login.
+    let (role, password): (String, String) = sqlx::query_as(
+        "SELECT p.role_name, c.password FROM obx.plugin p \
+         JOIN obx.plugin_credential c ON c.role_name = p.role_name WHERE p.name = 'testbed'",
+    )
+    .fetch_one(&pool)
+    .await?;
     host.shutdown().await?;
+    let script = "BEGIN;\n\
+         SELECT parked, fresh FROM obx_api.begin_event(gen_random_uuid(), 'testbed.events', 'key-1');\n\
+         INSERT INTO effects (event_id, topic, key, seq, attempt) VALUES (gen_random_uuid(), 'testbed.events', 'key-1', 1, 1);\n\
+         COMMIT;\n";
+    let pgbench = run_pgbench_script(&env, &url, (&role, &password), 8, Duration::from_secs(8), script).await?;
+    let intake = inbox_intake(&env, plugins.path(), &producer, events).await?;
+    let latencies = consume_latency(&env, plugins.path(), &producer).await?;
+
     out!("## {events} events, 100 keys, 8 partitions; the handler inserts one row per event\n");
-    out!("| | events/s | ratio to raw |");
-    out!("| --- | ---: | ---: |");
-    out!("| raw rdkafka consume (ceiling) | {raw_rate:.0} | 1.00 |");
+    out!("| | events/s | ratio to raw | ratio to pgbench |");
+    out!("| --- | ---: | ---: | ---: |");
+    out!("| raw rdkafka consume (ceiling) | {raw_rate:.0} | 1.00 | |");
+    out!(
+        "| pgbench: the dedup path's SQL, a transaction per event (ceiling) | {pgbench:.0} | {:.3} | 1.00 |",
+        pgbench / raw_rate
+    );
     for (mode, rate) in &rates {
         out!(
-            "| OBX consume + {mode} + handler | {rate:.0} | {:.3} |",
-            rate / raw_rate
+            "| OBX consume + {mode} + handler | {rate:.0} | {:.3} | {:.2} |",
+            rate / raw_rate,
+            rate / pgbench
         );
     }
+    out!(
+        "| OBX inbox intake alone (no processors) | {intake:.0} | {:.3} | |\n",
+        intake / raw_rate
+    );
+    out!("### One event at a time: 10 events/s in dedup mode, from the produce to the handler's commit\n");
+    out!("| | p50 | p99 |");
+    out!("| --- | ---: | ---: |");
+    for (label, p50, p99) in &latencies {
+        out!("| {label} | {p50:.1} ms | {p99:.1} ms |");
+    }
+    out!("");
     compare(chart::Comparison::new(
         "consume",
         "Consume, then dedup or inbox, then the handler",
         "events/s",
         ("raw rdkafka consume", raw_rate),
-        rates.iter().map(|(m, r)| (format!("OBX {m}"), *r)).collect(),
+        rates
+            .iter()
+            .map(|(m, r)| (format!("OBX {m}"), *r))
+            .chain([("OBX inbox intake".to_string(), intake)])
+            .collect(),
+    ));
+    compare(chart::Comparison::new(
+        "consume-pgbench",
+        "Consume in dedup mode, against a transaction per event",
+        "events/s",
+        ("pgbench, same SQL", pgbench),
+        vec![("OBX dedup".into(), rates[0].1)],
     ));
     Ok(())
+}
+
+/// Produce-to-commit latency of single events at 10 per second, in dedup mode: batched (the
+/// default) and one event per transaction (`batch_max_events = 1`, as before batching). Each
+/// runs on topics of its own (a topic prefix) with a consumer group of its own; the handler's
+/// row records the commit's clock (`clock_timestamp()`, the same machine's clock).
+async fn consume_latency(
+    env: &Env,
+    plugins: &std::path::Path,
+    producer: &FutureProducer,
+) -> Result<Vec<(&'static str, f64, f64)>> {
+    let mut results = Vec::new();
+    for (n, (label, batch)) in [("batched (default)", None), ("one event per transaction", Some(1))]
+        .into_iter()
+        .enumerate()
+    {
+        let prefix = format!("lat{n}.");
+        let topic = format!("{prefix}testbed.events");
+        if let Some(mock) = &env.broker.mock {
+            mock.create_topic(&topic, 8)?;
+        }
+        let url = env.database().await?;
+        let mut config = env.config(&url, plugins);
+        config.kafka.create_topics = env.broker.mock.is_none();
+        config.kafka.topic_prefix = prefix;
+        config.service.name = format!("bench-lat{n}");
+        if let Some(b) = batch {
+            config.consumer.batch_max_events = b;
+        }
+        let host = obx::app::start(config).await?;
+        let pool = PgPool::connect(&url).await?;
+        let effects = |pool: PgPool| async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM testbed.effects")
+                .fetch_one(&pool)
+                .await
+        };
+        // Warm-up: events on every partition prove the consumer owns them all; then the
+        // group is left to settle (metadata refreshes every 5 s) before the measured run.
+        produce_events(producer, &topic, 100).await?;
+        while effects(pool.clone()).await? < 100 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let mut sent = std::collections::HashMap::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        for i in 0..100u32 {
+            tick.tick().await;
+            let id = uuid::Uuid::new_v4();
+            let headers = rdkafka::message::OwnedHeaders::new()
+                .insert(rdkafka::message::Header {
+                    key: "eventId",
+                    value: Some(id.to_string().as_str()),
+                })
+                .insert(rdkafka::message::Header {
+                    key: "eventType",
+                    value: Some("Thing"),
+                });
+            let value = json!({ "seq": i }).to_string();
+            let key = format!("key-{}", i % 10);
+            let record = rdkafka::producer::FutureRecord::to(&topic)
+                .key(&key)
+                .payload(&value)
+                .headers(headers);
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+            sent.insert(id, now.as_secs_f64());
+            producer
+                .send(record, Duration::from_secs(5))
+                .await
+                .map_err(|(e, _)| e)?;
+        }
+        while effects(pool.clone()).await? < 200 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rows: Vec<(uuid::Uuid, f64)> =
+            sqlx::query_as("SELECT event_id, extract(epoch FROM at)::float8 FROM testbed.effects")
+                .fetch_all(&pool)
+                .await?;
+        let mut ms: Vec<f64> = rows
+            .iter()
+            .filter_map(|(id, at)| Some((at - sent.get(id)?) * 1000.0))
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+        results.push((label, at(0.5), at(0.99)));
+        host.shutdown().await?;
+    }
+    Ok(results)
+}
+
+/// Inbox intake alone: `events` events wait on a topic of their own (a topic prefix, so
+/// that nothing else is there to consume) until a host with no inbox processors starts and
+/// stores them; the rate is over the span of their `received_at` (each storing statement's
+/// transaction start).
+async fn inbox_intake(env: &Env, plugins: &std::path::Path, producer: &FutureProducer, events: u32) -> Result<f64> {
+    let prefix = "intake.";
+    if let Some(mock) = &env.broker.mock {
+        mock.create_topic(&format!("{prefix}testbed.inbox"), 8)?;
+    }
+    produce_events(producer, &format!("{prefix}testbed.inbox"), events).await?;
+    let url = env.database().await?;
+    let mut config = env.config(&url, plugins);
+    config.kafka.create_topics = env.broker.mock.is_none();
+    config.kafka.topic_prefix = prefix.into();
+    config.consumer.inbox_processors = 0;
+    config.service.name = "bench-intake".into();
+    let host = obx::app::start(config).await?;
+    let pool = PgPool::connect(&url).await?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.inbox_event")
+            .fetch_one(&pool)
+            .await?;
+        if n >= events as i64 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the inbox took only {n} of {events} events");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (span, statements): (f64, i64) = sqlx::query_as(
+        "SELECT extract(epoch FROM max(received_at) - min(received_at))::float8, count(DISTINCT received_at) \
+         FROM obx.inbox_event",
+    )
+    .fetch_one(&pool)
+    .await?;
+    host.shutdown().await?;
+    println!("inbox intake: {events} events in {statements} statements over {span:.2} s");
+    Ok((events - 1) as f64 / span.max(1e-3))
 }
 
 async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> {
@@ -839,26 +1008,30 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
 
 /// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
 /// `obx_api.emit`, COMMIT, each a prepared statement.
-async fn run_pgbench(
+async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, duration: Duration) -> Result<f64> {
+    let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
+    let script = format!(
+        "BEGIN;\n\
+         INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
+         ON CONFLICT (id) DO NOTHING RETURNING id;\n\
+         SELECT obx_api.emit('0.1.0', NULL, ARRAY[gen_random_uuid()], ARRAY['Order'], ARRAY['o'], \
+         ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
+         COMMIT;\n"
+    );
+    run_pgbench_script(env, url, login, clients, duration, &script).await
+}
+
+/// pgbench running `sql` (each statement prepared), logged in as a plugin's role; its tps.
+async fn run_pgbench_script(
     env: &Env,
     url: &str,
     (role, password): (&str, &str),
     clients: usize,
     duration: Duration,
+    sql: &str,
 ) -> Result<f64> {
     let script = tempfile::NamedTempFile::new()?;
-    let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
-    std::fs::write(
-        script.path(),
-        format!(
-            "BEGIN;\n\
-             INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
-             ON CONFLICT (id) DO NOTHING RETURNING id;\n\
-             SELECT obx_api.emit('0.1.0', NULL, ARRAY[gen_random_uuid()], ARRAY['Order'], ARRAY['o'], \
-             ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
-             COMMIT;\n"
-        ),
-    )?;
+    std::fs::write(script.path(), sql)?;
     let bindir = obx::db::embedded::find_bindir()?;
     let database = url.rsplit('/').next().unwrap_or("postgres").to_string();
     let mut cmd = std::process::Command::new(bindir.join("pgbench"));

@@ -3,15 +3,20 @@
 //!
 //! 1. claims the next inbox event that may run — unprocessed, not parked, not waiting for a
 //!    retry, and the oldest unprocessed event of its key on its topic — with
-//!    `FOR UPDATE SKIP LOCKED`;
-//! 2. runs the plugin's handler on it, inside that transaction, which holds the row lock
-//!    throughout (the seed's sample takes the lock outside any transaction: not here);
-//! 3. marks it processed (`processed`, `processed_at`) and records it in `processed_event`;
-//! 4. commits.
+//!    `FOR UPDATE SKIP LOCKED`, and the unprocessed events of its key after it, up to
+//!    `consumer.batch_max_events`, and in the same statement marks them processed
+//!    (`processed`, `processed_at`, `processed_event`);
+//! 2. runs the plugin's handler on each in order, behind a savepoint, inside that
+//!    transaction, which holds the row locks throughout (the seed's sample takes the lock
+//!    outside any transaction: not here);
+//! 3. writes the events' outbox rows and commits.
 //!
 //! Any number of processors, on any number of hosts, can run at once: the row lock keeps
-//! two of them off one event, and "oldest of its key" keeps a key's events in order.
-//! A failed handler rolls back; the event is retried with backoff, and after
+//! two of them off one event, and "oldest of its key" keeps a key's events in order (a batch
+//! holds its key's oldest event, so nobody else can start on that key). A failed handler is
+//! rolled back to its savepoint, its event is marked unprocessed with its attempt recorded,
+//! and the events behind it are marked unprocessed again, under the row locks, in the same
+//! transaction; the events before it commit. The event is retried with backoff, and after
 //! `consumer.max_attempts` it is parked with a dead letter, holding its key.
 
 use std::sync::Arc;
@@ -23,6 +28,7 @@ use uuid::Uuid;
 
 use super::backoff;
 use crate::config::ConsumerConfig;
+use crate::db::sessions::PluginTx;
 use crate::dispatch::Dispatcher;
 use crate::runtime::bindings::guest;
 use crate::runtime::registry::Registry;
@@ -48,6 +54,8 @@ struct Claimed {
     event_id: Uuid,
     attempts: i32,
     event: guest::Event,
+    /// Not in processed_event before this claim.
+    fresh: bool,
 }
 
 impl Processor {
@@ -97,75 +105,106 @@ impl Processor {
         Ok(Outcome::Idle)
     }
 
-    /// One event of `consumer`, in one transaction on the plugin's own session.
+    /// Events of one key of `consumer`, up to `consumer.batch_max_events`, in one
+    /// transaction on the plugin's own session, each behind a savepoint. The first whose
+    /// handler fails is rolled back to its savepoint, its attempt is recorded under its row
+    /// lock, the events behind it go back to wait, and the batch commits with them.
     async fn step_for(&self, consumer: &str) -> anyhow::Result<Outcome> {
         let Some(plugin) = self.registry.get(consumer) else {
             return Ok(Outcome::Idle);
         };
         let mut tx = self.dispatcher.sessions.begin(consumer).await?;
-        let Some(claimed) = claim(&mut tx).await? else {
+        let batch = claim(&mut tx, self.config.batch_max_events).await?;
+        if batch.is_empty() {
             tx.rollback().await?;
             return Ok(Outcome::Idle);
-        };
-
-        // Everything from here on can be undone, while the row stays locked: a failed
-        // handler's attempt is recorded before any other processor can take the row.
-        sqlx::query("SAVEPOINT obx_event").execute(&mut *tx).await?;
-        // Marked processed (and in processed_event, so that a dedup-mode redelivery is a
-        // no-op) before the handler runs, in the same transaction: a failure undoes it.
-        let fresh: bool = sqlx::query_scalar("SELECT obx_api.inbox_take($1)")
-            .bind(claimed.event_id)
-            .fetch_one(&mut *tx)
-            .await?;
-        if !fresh {
-            tx.commit().await?;
-            return Ok(Outcome::Worked);
         }
-        let parent = claimed
-            .event
-            .headers
-            .iter()
-            .find(|(k, _)| k == "traceparent")
-            .and_then(|(_, v)| crate::trace::TraceContext::parse(v));
-        match self
-            .dispatcher
-            .run_event(&plugin, tx, claimed.event.clone(), parent.as_ref())
-            .await
-        {
-            Ok((tx, emitted)) => {
-                self.dispatcher.commit_event(tx, emitted).await?;
-                metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string()).increment(1);
+        let mut emitted = Vec::with_capacity(batch.len());
+        let mut failed = None;
+        let mut batch = batch.into_iter();
+        while let Some(claimed) = batch.next() {
+            // Already marked processed, with the row still locked; an event in
+            // processed_event already (a dedup-mode delivery) is not handled again.
+            if !claimed.fresh {
+                continue;
             }
-            Err(failure) => self.settle_failure(consumer, &claimed, failure).await?,
+            // Everything from here on can be undone: a failed handler's attempt is recorded
+            // before any other processor can take the row.
+            sqlx::query("SAVEPOINT obx_event").execute(&mut *tx).await?;
+            let parent = claimed
+                .event
+                .headers
+                .iter()
+                .find(|(k, _)| k == "traceparent")
+                .and_then(|(_, v)| crate::trace::TraceContext::parse(v));
+            match self
+                .dispatcher
+                .call_event(&plugin, tx, claimed.event.clone(), parent.as_ref())
+                .await
+            {
+                Ok((back, event_emitted)) => {
+                    tx = back;
+                    emitted.push(event_emitted);
+                }
+                // The rest of the batch is of the same key: it waits behind this one.
+                Err(mut failure) => match failure.tx.take() {
+                    Some(mut back) if !back.is_poisoned() => {
+                        sqlx::query("ROLLBACK TO SAVEPOINT obx_event")
+                            .execute(&mut *back)
+                            .await?;
+                        let park = self.record_failure(&mut back, consumer, &claimed, &failure).await?;
+                        let behind: Vec<Uuid> = batch.filter(|c| c.fresh).map(|c| c.event_id).collect();
+                        sqlx::query("SELECT obx_api.inbox_untake($1)")
+                            .bind(&behind)
+                            .execute(&mut *back)
+                            .await?;
+                        failed = Some((claimed, park));
+                        tx = back;
+                        break;
+                    }
+                    // The transaction is gone, and the row locks with it: what it did is
+                    // undone, and the next claims retry it.
+                    None => return Ok(Outcome::Worked),
+                    // The session was abandoned mid-result: record the attempt on a fresh
+                    // one, so that the event is parked in the end like any other.
+                    Some(poisoned) => {
+                        poisoned.abandon();
+                        let mut fresh = self.dispatcher.sessions.begin(consumer).await?;
+                        let park = self.record_failure(&mut fresh, consumer, &claimed, &failure).await?;
+                        fresh.commit().await?;
+                        self.report_parked(consumer, &claimed, park);
+                        return Ok(Outcome::Worked);
+                    }
+                },
+            }
+        }
+        // Outbox ids are taken at the end of the transaction, as for a single call.
+        let mut written = 0;
+        for e in &emitted {
+            written += e.write(&mut tx).await?;
+        }
+        self.dispatcher.commit_event(tx, written).await?;
+        metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string())
+            .increment(emitted.len() as u64);
+        if let Some((claimed, park)) = failed {
+            self.report_parked(consumer, &claimed, park);
         }
         Ok(Outcome::Worked)
     }
 
-    /// Records a failed attempt, under the row lock the claim took: a retry after a backoff,
-    /// or, past `consumer.max_attempts` or for a failure no retry can help, a dead letter.
-    async fn settle_failure(
+    /// Records a failed attempt in `tx`, under the row lock the claim took: a retry after a
+    /// backoff, or, past `consumer.max_attempts` or for a failure no retry can help, a dead
+    /// letter. Returns whether the event is parked.
+    async fn record_failure(
         &self,
+        tx: &mut PluginTx,
         consumer: &str,
         claimed: &Claimed,
-        failure: crate::dispatch::EventFailure,
-    ) -> anyhow::Result<()> {
+        failure: &crate::dispatch::EventFailure,
+    ) -> anyhow::Result<bool> {
         let attempts = claimed.attempts as u32 + 1;
         tracing::warn!(consumer, event_id = %claimed.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
-        let mut tx = match failure.tx {
-            // The transaction is gone, and the row lock with it: the next claim retries.
-            None => return Ok(()),
-            // The session was abandoned mid-result: record the attempt on a fresh one, so
-            // that the event is parked in the end like any other.
-            Some(tx) if tx.is_poisoned() => {
-                tx.abandon();
-                self.dispatcher.sessions.begin(consumer).await?
-            }
-            Some(mut tx) => {
-                sqlx::query("ROLLBACK TO SAVEPOINT obx_event").execute(&mut *tx).await?;
-                tx
-            }
-        };
         let park = !failure.retriable || attempts >= self.config.max_attempts;
         let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
         sqlx::query("SELECT obx_api.inbox_fail($1, $2, $3, $4, $5)")
@@ -174,36 +213,45 @@ impl Processor {
             .bind(&failure.error)
             .bind(park)
             .bind(delay.as_secs_f64())
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
-        tx.commit().await?;
+        Ok(park)
+    }
+
+    /// Once a parking committed: the metric and the log line.
+    fn report_parked(&self, consumer: &str, claimed: &Claimed, park: bool) {
         if park {
             metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
-            tracing::error!(consumer, event_id = %claimed.event_id, attempts,
+            tracing::error!(consumer, event_id = %claimed.event_id, attempts = claimed.attempts + 1,
                 "event parked in the dead-letter table");
         }
-        Ok(())
     }
 }
 
-/// Claims the plugin's next event that may run, locking its row for the transaction.
-async fn claim(conn: &mut sqlx::PgConnection) -> sqlx::Result<Option<Claimed>> {
-    let row = sqlx::query(
-        "SELECT event_id, topic, payload, event_type, partition_key, headers, attempts FROM obx_api.inbox_claim()",
+/// Claims the plugin's next event that may run and the events of its key after it, up to
+/// `limit` in all, in order, and marks them processed, their rows locked for the
+/// transaction.
+async fn claim(conn: &mut sqlx::PgConnection, limit: u32) -> sqlx::Result<Vec<Claimed>> {
+    let rows = sqlx::query(
+        "SELECT event_id, topic, payload, event_type, partition_key, headers, attempts, fresh \
+         FROM obx_api.inbox_take_batch($1)",
     )
-    .fetch_optional(conn)
+    .bind(limit as i32)
+    .fetch_all(conn)
     .await?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
+    rows.iter().map(claimed).collect()
+}
+
+fn claimed(row: &sqlx::postgres::PgRow) -> sqlx::Result<Claimed> {
     // try_get everywhere: the row comes from the plugin's own session.
     let headers: serde_json::Map<String, serde_json::Value> =
         serde_json::from_value(row.try_get("headers")?).unwrap_or_default();
     let attempts = row.try_get::<i32, _>("attempts")?.max(0);
     let event_id: Uuid = row.try_get("event_id")?;
-    Ok(Some(Claimed {
+    Ok(Claimed {
         event_id,
         attempts,
+        fresh: row.try_get("fresh")?,
         event: guest::Event {
             event_id: event_id.to_string(),
             event_type: row.try_get("event_type")?,
@@ -216,5 +264,5 @@ async fn claim(conn: &mut sqlx::PgConnection) -> sqlx::Result<Option<Claimed>> {
                 .collect(),
             attempt: attempts as u32 + 1,
         },
-    }))
+    })
 }

@@ -348,11 +348,12 @@ impl Relay {
         // again, which at-least-once allows. This keeps fsync out of the relay's cycle.
         // The claim must walk the partial index in id order and stop at the batch size; with
         // stale statistics (right after a burst) the planner may prefer to read and sort the
-        // whole backlog instead, so that plan shape is ruled out for this transaction.
+        // whole backlog instead, so that plan shape is ruled out for this transaction. A plan
+        // priced with a ruled-out node would also be JIT-compiled at every claim: no JIT.
         let mut tx = conn
             .begin_with(
                 "BEGIN; SELECT set_config('synchronous_commit', 'off', true), set_config('enable_sort', 'off', true), \
-                 set_config('enable_bitmapscan', 'off', true)",
+                 set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true)",
             )
             .await?;
         let rows: Vec<OutboxRow> = sqlx::query_as(&format!(
