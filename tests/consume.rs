@@ -214,6 +214,8 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
     .await;
     let p = producer(&broker.bootstrap);
     let topic = first.topic(DEDUP);
+    // Nobody consumes it yet, so nobody created it.
+    broker.create_topic(&topic).await;
     let mut a = Vec::new();
     let mut b = Vec::new();
     for seq in 1..=6 {
@@ -286,6 +288,8 @@ async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
     .await;
     let p = producer(&broker.bootstrap);
     let topic = first.topic(INBOX);
+    // Nobody consumes it yet, so nobody created it.
+    broker.create_topic(&topic).await;
     let mut ids = Vec::new();
     for seq in 0..90 {
         // A duplicate in the burst is stored once.
@@ -334,6 +338,8 @@ async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() 
     .await;
     let p = producer(&broker.bootstrap);
     let topic = first.topic(INBOX);
+    // Nobody consumes it yet, so nobody created it.
+    broker.create_topic(&topic).await;
     let mut ids = Vec::new();
     for seq in 0..60 {
         let poison = seq == 31;

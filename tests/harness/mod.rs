@@ -228,6 +228,21 @@ pub fn broker() -> TestBroker {
 }
 
 impl TestBroker {
+    /// Creates a topic, as a host that consumes it would: a broker outside the process does
+    /// not create one when a producer first writes to it.
+    pub async fn create_topic(&self, topic: &str) {
+        if let Some(mock) = &self.mock {
+            mock.create_topic(topic, 4).expect("creating a topic");
+            return;
+        }
+        let kafka = obx::config::KafkaConfig {
+            brokers: self.bootstrap.clone(),
+            ..Default::default()
+        };
+        let brokers = obx::kafka::Brokers::start(&kafka).expect("a client of the brokers");
+        obx::kafka::ensure_topics(&brokers, &kafka, &[topic.to_string()]).await;
+    }
+
     /// Points a host at this broker.
     pub fn configure(&self, config: &mut Config) {
         config.kafka.brokers = self.bootstrap.clone();
