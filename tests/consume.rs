@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use obx_tests::{
     broker, eventually, producer, send_event, send_event_with_id, send_raw, spawn_host, spawn_host_on, spawn_host_with,
-    TestHost,
+    TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -22,6 +22,41 @@ async fn effects(host: &TestHost, event_id: uuid::Uuid) -> i64 {
 
 async fn total_effects(host: &TestHost) -> i64 {
     host.count("SELECT count(*) FROM testbed.effects").await
+}
+
+/// Effects that happened before an effect of their key with a lower `seq`: 0 when every
+/// key's events took effect in order.
+async fn key_disorder(host: &TestHost) -> i64 {
+    host.count(
+        "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at) AS prev \
+         FROM testbed.effects) t WHERE prev > seq",
+    )
+    .await
+}
+
+/// A host of the testbed service whose consumer does not run, and the broker topic of
+/// `logical`, created (nobody consumes it yet, so nobody created it). Events sent there wait
+/// on the broker, so that [`next_host`]'s lanes find them queued and take them in batches.
+async fn not_consuming(broker: &TestBroker, logical: &str) -> (TestHost, String) {
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.enabled = false;
+    })
+    .await;
+    let topic = host.topic(logical);
+    broker.create_topic(&topic).await;
+    (host, topic)
+}
+
+/// The next host of `idle`'s service, on its database, consuming, once `idle` has stopped.
+async fn next_host(broker: &TestBroker, idle: TestHost, adjust: impl FnOnce(&mut obx::config::Config)) -> TestHost {
+    let url = idle.database_url.clone();
+    idle.shutdown().await;
+    spawn_host_on(&url, &["testbed"], |c| {
+        broker.configure(c);
+        adjust(c);
+    })
+    .await
 }
 
 #[tokio::test]
@@ -122,12 +157,7 @@ async fn two_hosts_process_each_inbox_row_exactly_once_in_key_order() {
         300
     );
     // Within a key, effects happened in seq order.
-    let disorder = a
-        .count(
-            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at) AS prev \
-             FROM testbed.effects) t WHERE prev > seq",
-        )
-        .await;
+    let disorder = key_disorder(&a).await;
     assert_eq!(disorder, 0, "per-key order in the inbox");
     b.shutdown().await;
     a.shutdown().await;
@@ -205,17 +235,8 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
 #[tokio::test]
 async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with_its_key() {
     let broker = broker();
-    // Events wait on the broker while no consumer runs, so that the next host's lane finds
-    // them queued and takes them in batches; one lane takes every partition (and key).
-    let first = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        c.consumer.enabled = false;
-    })
-    .await;
+    let (first, topic) = not_consuming(&broker, DEDUP).await;
     let p = producer(&broker.bootstrap);
-    let topic = first.topic(DEDUP);
-    // Nobody consumes it yet, so nobody created it.
-    broker.create_topic(&topic).await;
     let mut a = Vec::new();
     let mut b = Vec::new();
     for seq in 1..=6 {
@@ -224,10 +245,8 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
         b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + 2 * seq })).await);
         b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 101 + 2 * seq })).await);
     }
-    let url = first.database_url.clone();
-    first.shutdown().await;
-    let host = spawn_host_on(&url, &["testbed"], |c| {
-        broker.configure(c);
+    // One lane takes every partition (and key).
+    let host = next_host(&broker, first, |c| {
         c.consumer.lanes = 1;
         c.consumer.max_attempts = 2;
     })
@@ -258,12 +277,7 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
         host.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
         15
     );
-    let disorder = host
-        .count(
-            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at) AS prev \
-             FROM testbed.effects) t WHERE prev > seq",
-        )
-        .await;
+    let disorder = key_disorder(&host).await;
     assert_eq!(disorder, 0, "per-key order across batches");
     // Batches: events that committed together share their transaction's start time.
     let transactions = host
@@ -279,17 +293,8 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
 #[tokio::test]
 async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
     let broker = broker();
-    // The burst waits on the broker while no consumer runs; the next host's lane finds it
-    // queued.
-    let first = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        c.consumer.enabled = false;
-    })
-    .await;
+    let (first, topic) = not_consuming(&broker, INBOX).await;
     let p = producer(&broker.bootstrap);
-    let topic = first.topic(INBOX);
-    // Nobody consumes it yet, so nobody created it.
-    broker.create_topic(&topic).await;
     let mut ids = Vec::new();
     for seq in 0..90 {
         // A duplicate in the burst is stored once.
@@ -299,13 +304,7 @@ async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
         }
         ids.push(id);
     }
-    let url = first.database_url.clone();
-    first.shutdown().await;
-    let host = spawn_host_on(&url, &["testbed"], |c| {
-        broker.configure(c);
-        c.consumer.lanes = 1;
-    })
-    .await;
+    let host = next_host(&broker, first, |c| c.consumer.lanes = 1).await;
     eventually(Duration::from_secs(30), "90 inbox rows processed", || async {
         host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 90
     })
@@ -331,15 +330,8 @@ async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
 #[tokio::test]
 async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() {
     let broker = broker();
-    let first = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        c.consumer.enabled = false;
-    })
-    .await;
+    let (first, topic) = not_consuming(&broker, INBOX).await;
     let p = producer(&broker.bootstrap);
-    let topic = first.topic(INBOX);
-    // Nobody consumes it yet, so nobody created it.
-    broker.create_topic(&topic).await;
     let mut ids = Vec::new();
     for seq in 0..60 {
         let poison = seq == 31;
@@ -354,10 +346,7 @@ async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() 
             .await,
         );
     }
-    let url = first.database_url.clone();
-    first.shutdown().await;
-    let host = spawn_host_on(&url, &["testbed"], |c| {
-        broker.configure(c);
+    let host = next_host(&broker, first, |c| {
         c.consumer.max_attempts = 2;
         c.consumer.inbox_processors = 2;
     })
@@ -383,12 +372,7 @@ async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() 
     assert_eq!(effects(&host, ids[31]).await, 0);
     let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
     assert_eq!((letters.len(), letters[0].waiting, letters[0].attempts), (1, 14, 2));
-    let disorder = host
-        .count(
-            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at) AS prev \
-             FROM testbed.effects) t WHERE prev > seq",
-        )
-        .await;
+    let disorder = key_disorder(&host).await;
     assert_eq!(disorder, 0, "per-key order across batches");
     // Rows handled in one transaction share its start time.
     let transactions = host
