@@ -89,6 +89,7 @@ async fn a_plugin_with_any_sql_still_cannot_reach_the_host_or_another_plugin() {
         "CREATE TABLE orders.planted (x int)",
         "CREATE VIEW testbed.peek AS SELECT * FROM orders.orders",
         "SELECT obx.session_plugin()",
+        "SELECT obx.park_event('orders', gen_random_uuid(), 1, 'parked by another plugin')",
     ] {
         assert_eq!(sqlstate(&mut s, sql).await.as_deref(), Some("42501"), "{sql}");
     }
@@ -153,6 +154,26 @@ async fn a_plugin_with_any_sql_still_cannot_reach_the_host_or_another_plugin() {
             .await,
         1
     );
+    // A batch's records can be given back only by the transaction that made them: a plugin
+    // cannot forget that an event it handled earlier was processed, and so have it run again.
+    let handled = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO obx.processed_event (consumer, event_id) VALUES ('testbed', $1)")
+        .bind(handled)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let forget = format!("SELECT obx_api.forget_events(ARRAY['{handled}'::uuid])");
+    assert_eq!(sqlstate(&mut s, &forget).await, None);
+    assert_eq!(
+        host.count(&format!(
+            "SELECT count(*) FROM obx.processed_event WHERE event_id = '{handled}'"
+        ))
+        .await,
+        1
+    );
+    let too_many = "SELECT * FROM obx_api.begin_events(array_fill(gen_random_uuid(), ARRAY[65]), \
+                    array_fill('t'::text, ARRAY[65]), array_fill('k'::text, ARRAY[65]))";
+    assert_eq!(sqlstate(&mut s, too_many).await.as_deref(), Some("22023"));
     let _ = s.close().await;
 
     // The host serves both plugins as before.

@@ -410,29 +410,6 @@ impl Emitted {
 }
 
 impl Dispatcher {
-    /// Runs `handle-event` in `tx`. The caller writes its own bookkeeping (the dedup row,
-    /// the inbox mark) first, through `obx_api`; on success the handler's writes and its outbox
-    /// rows are in `tx`, and the caller commits with [`Dispatcher::commit_event`] — nothing
-    /// else may run in `tx` after this call. On failure the transaction comes back in the
-    /// [`EventFailure`], for the caller to roll back.
-    pub async fn run_event(
-        &self,
-        plugin: &Plugin,
-        tx: PluginTx,
-        event: guest::Event,
-        parent_trace: Option<&TraceContext>,
-    ) -> Result<(PluginTx, usize), EventFailure> {
-        let (mut tx, emitted) = self.call_event(plugin, tx, event, parent_trace).await?;
-        match emitted.write(&mut tx).await {
-            Ok(written) => Ok((tx, written)),
-            Err(e) => Err(EventFailure {
-                error: format!("database: {e}"),
-                retriable: true,
-                tx: Some(tx),
-            }),
-        }
-    }
-
     /// Runs `handle-event` in `tx` and hands back what it emitted, unwritten: the caller
     /// writes it with [`Emitted::write`] before the commit. On failure the transaction
     /// comes back in the [`EventFailure`], for the caller to roll back.

@@ -13,12 +13,14 @@ use std::time::Duration;
 use futures::FutureExt as _;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
-use sqlx::{Executor as _, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use uuid::Uuid;
 
 /// Message bytes (KiB) a consumer holds in its lanes at most.
 const IN_FLIGHT_KIB: usize = 64 * 1024;
 
+use super::handling::{self, Failure, Job, Ran};
 use super::{backoff, Incoming};
 use crate::config::{ConsumerConfig, KafkaConfig};
 use crate::dispatch::Dispatcher;
@@ -26,7 +28,6 @@ use crate::kafka::Brokers;
 use crate::runtime::manifest::DeliveryMode;
 use crate::runtime::registry::Registry;
 use crate::signal::Signal;
-use crate::trace::TraceContext;
 
 pub struct Consumer {
     pub lag: Arc<crate::telemetry::ConsumerLag>,
@@ -322,7 +323,7 @@ impl Lane {
     /// (rolled back to its savepoint alone; its failure is returned, for the one-at-a-time
     /// path to retry or park), or whose key is parked. Returns how many leading events
     /// committed; after a database error, none.
-    async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Option<FirstFailure>) {
+    async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Option<Failure>) {
         let Some(plugin) = self.registry.get(&self.plugin) else {
             return (0, None);
         };
@@ -343,67 +344,56 @@ impl Lane {
     }
 
     async fn batch(&self, plugin: &crate::runtime::Plugin, run: &[Option<Incoming>]) -> anyhow::Result<Batch> {
+        let positions: Vec<usize> = (0..run.len()).filter(|&i| run[i].is_some()).collect();
+        let events: Vec<&Incoming> = run.iter().flatten().collect();
+        if events.is_empty() {
+            // Only messages this plugin skips.
+            return Ok(Batch::Committed(run.len(), None));
+        }
         let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
-        let mut handled = Vec::with_capacity(run.len());
-        let mut stop = None;
-        let mut done = 0;
-        for event in run {
-            let Some(event) = event else {
-                done += 1;
-                continue;
-            };
-            // Nested savepoints of one name: a rollback to it undoes this event alone.
-            tx.execute("SAVEPOINT obx_event").await?;
-            let (parked, fresh) = begin_event(&mut tx, event).await?;
-            if parked {
-                tx.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
-                break;
-            }
-            if !fresh {
-                metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
-                done += 1;
-                continue;
-            }
-            let parent = event.headers.get("traceparent").and_then(|t| TraceContext::parse(t));
-            match self
-                .dispatcher
-                .call_event(plugin, tx, event.to_guest(1), parent.as_ref())
-                .await
-            {
-                Ok((back, emitted)) => {
-                    tx = back;
-                    handled.push(emitted);
-                    done += 1;
+        // One statement records the run's new events as processed, before any savepoint;
+        // the records of events that end up not run are given back before the commit.
+        let begun = begin_events(&mut tx, &events).await?;
+        // The batch takes the events up to the first whose key is parked; of those, it
+        // runs the new ones.
+        let taken = begun.iter().take_while(|(parked, _)| !parked).count();
+        let jobs: Vec<(usize, Job)> = (0..taken)
+            .filter(|&i| begun[i].1)
+            .map(|i| (i, Job::of(events[i], 1)))
+            .collect();
+        let hits = taken - jobs.len();
+        if hits > 0 {
+            metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(hits as u64);
+        }
+        // The messages settled by this batch end at the first event not done.
+        let settled = |stop: usize| positions.get(stop).copied().unwrap_or(run.len());
+        let to_run: Vec<&Job> = jobs.iter().map(|(_, j)| j).collect();
+        match handling::run(&self.dispatcher, plugin, tx, &to_run).await? {
+            Ran::Lost { at, failure, .. } => Ok(Batch::Lost(settled(jobs[at].0), failure)),
+            Ran::Open {
+                mut tx,
+                emitted,
+                failed,
+            } => {
+                let stop = jobs.get(emitted.len()).map_or(taken, |(i, _)| *i);
+                let not_run: Vec<Uuid> = (stop..events.len())
+                    .filter(|&i| begun[i].1)
+                    .map(|i| events[i].event_id)
+                    .collect();
+                if !not_run.is_empty() {
+                    forget_events(&mut tx, &not_run).await?;
                 }
-                Err(mut failure) => {
-                    let first = FirstFailure {
-                        error: std::mem::take(&mut failure.error),
-                        retriable: failure.retriable,
-                    };
-                    match failure.tx.take() {
-                        Some(mut back) if !back.is_poisoned() => {
-                            back.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
-                            tx = back;
-                            stop = Some(first);
-                            break;
-                        }
-                        _ => return Ok(Batch::Lost(done, first)),
-                    }
-                }
+                handling::commit(&self.dispatcher, tx, &emitted).await?;
+                metrics::histogram!("obx_consumer_batch_events", "plugin" => self.plugin.clone())
+                    .record(settled(stop) as f64);
+                Ok(Batch::Committed(settled(stop), failed))
             }
         }
-        // Outbox ids are taken at the end of the transaction, as for a single call.
-        let mut emitted = 0;
-        for h in &handled {
-            emitted += h.write(&mut tx).await?;
-        }
-        self.dispatcher.commit_event(tx, emitted).await?;
-        metrics::histogram!("obx_consumer_batch_events", "plugin" => self.plugin.clone()).record(done as f64);
-        Ok(Batch::Committed(done, stop))
     }
+
     /// [`Lane::handle`], retried after a pause if it panics: a bug must not stop the lane,
     /// nor move the partition past the message.
-    async fn handle_guarded(&self, m: &OwnedMessage, mut first_failure: Option<FirstFailure>) -> Done {
+    async fn handle_guarded(&self, m: &OwnedMessage, mut first_failure: Option<Failure>) -> Done {
         loop {
             let handled = std::panic::AssertUnwindSafe(self.handle(m, first_failure.take()))
                 .catch_unwind()
@@ -425,7 +415,7 @@ impl Lane {
         &self.dispatcher.pool
     }
 
-    async fn handle(&self, m: &OwnedMessage, first_failure: Option<FirstFailure>) -> Done {
+    async fn handle(&self, m: &OwnedMessage, first_failure: Option<Failure>) -> Done {
         let event = match Incoming::parse(m, self.config.max_message_bytes, &self.topic_prefix) {
             Ok(e) => e,
             Err(reason) => {
@@ -458,7 +448,7 @@ impl Lane {
     /// `processed_event` row (through `obx_api.begin_event`), runs the handler and commits
     /// both. A second delivery finds the row and does nothing. `first_failure` is the
     /// failure of an attempt already made in a batch.
-    async fn handle_dedup(&self, event: &Incoming, first_failure: Option<FirstFailure>) -> Done {
+    async fn handle_dedup(&self, event: &Incoming, first_failure: Option<Failure>) -> Done {
         let started = std::time::Instant::now();
         let mut attempt = 1;
         if let Some(failure) = first_failure {
@@ -493,22 +483,25 @@ impl Lane {
                     metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
                     return Ok(Step::Done);
                 }
-                let parent = event.headers.get("traceparent").and_then(|t| TraceContext::parse(t));
-                match self
-                    .dispatcher
-                    .run_event(&plugin, tx, event.to_guest(attempt), parent.as_ref())
-                    .await
-                {
-                    Ok((tx, emitted)) => {
-                        self.dispatcher.commit_event(tx, emitted).await?;
+                let job = Job::of(event, attempt);
+                match handling::run(&self.dispatcher, &plugin, tx, &[&job]).await? {
+                    Ran::Open {
+                        tx,
+                        emitted,
+                        failed: None,
+                    } => {
+                        handling::commit(&self.dispatcher, tx, &emitted).await?;
                         Ok(Step::Done)
                     }
-                    Err(mut failure) => {
-                        if let Some(tx) = failure.tx.take() {
-                            let _ = tx.rollback().await;
-                        }
+                    Ran::Open {
+                        tx,
+                        failed: Some(failure),
+                        ..
+                    } => {
+                        let _ = tx.rollback().await;
                         Ok(Step::Failed(failure))
                     }
+                    Ran::Lost { failure, .. } => Ok(Step::Failed(failure)),
                 }
             };
             match step.await {
@@ -558,7 +551,9 @@ impl Lane {
                 match step {
                     DbStep::Quarantine(m, reason) => quarantine(&mut conn, &self.plugin, m, reason).await,
                     DbStep::StoreInInbox(e) => store_in_inbox(&mut conn, &self.plugin, e).await,
-                    DbStep::Park(e, attempts, error) => park(&mut conn, &self.plugin, e, attempts, error).await,
+                    DbStep::Park(e, attempts, error) => {
+                        handling::park(&mut conn, &self.plugin, e, attempts, error).await
+                    }
                 }
             }
             .await;
@@ -589,23 +584,17 @@ impl Lane {
 
 enum Step {
     Done,
-    Failed(crate::dispatch::EventFailure),
+    Failed(Failure),
 }
 
 /// How a batch ended.
 enum Batch {
     /// Its first `n` messages committed; the failure of the next one's handler, if that is
     /// why it stopped there.
-    Committed(usize, Option<FirstFailure>),
+    Committed(usize, Option<Failure>),
     /// The transaction was lost with the handler of message `n` (a call killed while its
     /// statement ran): nothing committed.
-    Lost(usize, FirstFailure),
-}
-
-/// A handler's failure in a batch, carried over to the event's next attempt.
-struct FirstFailure {
-    error: String,
-    retriable: bool,
+    Lost(usize, Failure),
 }
 
 /// Records the event as processed in `tx`, through `obx_api.begin_event`, in one statement:
@@ -618,6 +607,35 @@ async fn begin_event(tx: &mut PgConnection, event: &Incoming) -> sqlx::Result<(b
         .bind(&event.key)
         .fetch_one(tx)
         .await
+}
+
+/// Records the events of a batch as processed in `tx`, through `obx_api.begin_events`, in one
+/// statement: for each, in order, whether its key is parked behind a dead letter (then
+/// nothing is recorded), and whether the event is new.
+async fn begin_events(tx: &mut PgConnection, events: &[&Incoming]) -> anyhow::Result<Vec<(bool, bool)>> {
+    let begun: Vec<(bool, bool)> = sqlx::query_as("SELECT parked, fresh FROM obx_api.begin_events($1, $2, $3)")
+        .bind(events.iter().map(|e| e.event_id).collect::<Vec<_>>())
+        .bind(events.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())
+        .bind(events.iter().map(|e| e.key.as_deref()).collect::<Vec<_>>())
+        .fetch_all(tx)
+        .await?;
+    // The plugin's own session answered: believe it only if the answer has the right shape.
+    anyhow::ensure!(
+        begun.len() == events.len(),
+        "begin_events answered {} rows for {} events",
+        begun.len(),
+        events.len()
+    );
+    Ok(begun)
+}
+
+/// Gives back the records `begin_events` made in this transaction for events not run.
+async fn forget_events(tx: &mut PgConnection, event_ids: &[Uuid]) -> sqlx::Result<()> {
+    sqlx::query("SELECT obx_api.forget_events($1)")
+        .bind(event_ids)
+        .execute(tx)
+        .await?;
+    Ok(())
 }
 
 /// The database writes a lane retries until they succeed.
@@ -668,45 +686,6 @@ async fn store_all_in_inbox(conn: &mut PgConnection, consumer: &str, events: &[&
     .bind(events.iter().map(|e| e.headers_json()).collect::<Vec<_>>())
     .execute(conn)
     .await?;
-    Ok(())
-}
-
-/// Parks a dedup-mode event that kept failing: it goes to the inbox, parked, with a
-/// dead-letter row; later events of its key will queue behind it.
-async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u32, error: &str) -> sqlx::Result<()> {
-    use sqlx::Connection;
-    let mut tx = conn.begin().await?;
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers, \
-                                      attempts, last_error, parked) \
-         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, true) \
-         ON CONFLICT (consumer, event_id) DO UPDATE SET parked = true, attempts = EXCLUDED.attempts, \
-                                                        last_error = EXCLUDED.last_error",
-    )
-    .bind(consumer)
-    .bind(e.event_id)
-    .bind(&e.topic)
-    .bind(&e.payload)
-    .bind(&e.event_type)
-    .bind(&e.key)
-    .bind(e.headers_json())
-    .bind(attempts as i32)
-    .bind(error)
-    .execute(&mut *tx)
-    .await?;
-    super::dlq::record(
-        &mut tx,
-        consumer,
-        e.event_id,
-        &e.topic,
-        e.key.as_deref(),
-        &e.event_type,
-        error,
-        attempts,
-    )
-    .await?;
-    tx.commit().await?;
-    tracing::error!(consumer, event_id = %e.event_id, attempts, error, "event parked in the dead-letter table");
     Ok(())
 }
 

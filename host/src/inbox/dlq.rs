@@ -8,7 +8,7 @@
 //!   key's waiting events proceed.
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -45,35 +45,6 @@ pub enum DlqError {
     NotParked(i64),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
-}
-
-/// Records a dead letter, in the caller's transaction.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn record(
-    conn: &mut PgConnection,
-    consumer: &str,
-    event_id: Uuid,
-    topic: &str,
-    key: Option<&str>,
-    event_type: &str,
-    error: &str,
-    attempts: u32,
-) -> sqlx::Result<()> {
-    sqlx::query(
-        "INSERT INTO obx.dead_letter (consumer, event_id, topic, partition_key, event_type, error, attempts) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(consumer)
-    .bind(event_id)
-    .bind(topic)
-    .bind(key)
-    .bind(event_type)
-    .bind(error)
-    .bind(attempts as i32)
-    .execute(conn)
-    .await?;
-    metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
-    Ok(())
 }
 
 /// Dead letters, newest first: parked ones only, unless `all`.

@@ -6,6 +6,9 @@
 //!   `inbox_event`. Either way the offset is stored after the commit, never before.
 //! * [`processor`] — inbox processors: claim the next event of a key with
 //!   `FOR UPDATE SKIP LOCKED` and process it in that same transaction.
+//! * `handling` — the one path from a taken event to its handler's commit, both modes: a
+//!   savepoint per event, the first failure ends the run, outbox rows just before the commit;
+//!   and parking.
 //! * [`dlq`] — the dead-letter table: list, retry, discard.
 //!
 //! Invariants:
@@ -20,6 +23,7 @@
 
 pub mod consumer;
 pub mod dlq;
+mod handling;
 pub mod processor;
 pub mod supervisor;
 
@@ -28,8 +32,6 @@ use std::collections::BTreeMap;
 use rdkafka::message::{Headers, Message};
 use serde_json::Value;
 use uuid::Uuid;
-
-use crate::runtime::bindings::guest;
 
 /// An event as it arrived from Kafka, validated.
 #[derive(Debug, Clone)]
@@ -94,19 +96,6 @@ impl Incoming {
             partition: m.partition(),
             offset: m.offset(),
         })
-    }
-
-    /// The event as the plugin sees it.
-    pub fn to_guest(&self, attempt: u32) -> guest::Event {
-        guest::Event {
-            event_id: self.event_id.to_string(),
-            event_type: self.event_type.clone(),
-            topic: self.topic.clone(),
-            key: self.key.clone(),
-            payload: self.payload.clone(),
-            headers: self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            attempt,
-        }
     }
 
     pub fn headers_json(&self) -> Value {

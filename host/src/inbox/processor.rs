@@ -27,10 +27,10 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::backoff;
+use super::handling::{self, EventFields, Failure, Job, Ran};
 use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::Dispatcher;
-use crate::runtime::bindings::guest;
 use crate::runtime::registry::Registry;
 
 pub struct Processor {
@@ -51,9 +51,8 @@ enum Outcome {
 }
 
 struct Claimed {
-    event_id: Uuid,
     attempts: i32,
-    event: guest::Event,
+    job: Job,
     /// Not in processed_event before this claim.
     fresh: bool,
 }
@@ -119,75 +118,55 @@ impl Processor {
             tx.rollback().await?;
             return Ok(Outcome::Idle);
         }
-        let mut emitted = Vec::with_capacity(batch.len());
-        let mut failed = None;
-        let mut batch = batch.into_iter();
-        while let Some(claimed) = batch.next() {
-            // Already marked processed, with the row still locked; an event in
-            // processed_event already (a dedup-mode delivery) is not handled again.
-            if !claimed.fresh {
-                continue;
+        // Already marked processed, with the row still locked; an event in processed_event
+        // already (a dedup-mode delivery) is not handled again.
+        let fresh: Vec<&Claimed> = batch.iter().filter(|c| c.fresh).collect();
+        let (mut tx, emitted, failed) = match handling::run(
+            &self.dispatcher,
+            &plugin,
+            tx,
+            &fresh.iter().map(|c| &c.job).collect::<Vec<_>>(),
+        )
+        .await?
+        {
+            Ran::Open { tx, emitted, failed } => (tx, emitted, failed),
+            // The transaction is gone, and the row locks with it: what it did is undone,
+            // and the next claims retry it.
+            Ran::Lost { session: None, .. } => return Ok(Outcome::Worked),
+            // The session was abandoned mid-result: record the attempt on a fresh one, so
+            // that the event is parked in the end like any other.
+            Ran::Lost {
+                at,
+                failure,
+                session: Some(poisoned),
+            } => {
+                poisoned.abandon();
+                let mut again = self.dispatcher.sessions.begin(consumer).await?;
+                let park = self.record_failure(&mut again, consumer, fresh[at], &failure).await?;
+                again.commit().await?;
+                self.report_parked(consumer, fresh[at], park);
+                return Ok(Outcome::Worked);
             }
-            // Everything from here on can be undone: a failed handler's attempt is recorded
-            // before any other processor can take the row.
-            sqlx::query("SAVEPOINT obx_event").execute(&mut *tx).await?;
-            let parent = claimed
-                .event
-                .headers
-                .iter()
-                .find(|(k, _)| k == "traceparent")
-                .and_then(|(_, v)| crate::trace::TraceContext::parse(v));
-            match self
-                .dispatcher
-                .call_event(&plugin, tx, claimed.event.clone(), parent.as_ref())
-                .await
-            {
-                Ok((back, event_emitted)) => {
-                    tx = back;
-                    emitted.push(event_emitted);
-                }
-                // The rest of the batch is of the same key: it waits behind this one.
-                Err(mut failure) => match failure.tx.take() {
-                    Some(mut back) if !back.is_poisoned() => {
-                        sqlx::query("ROLLBACK TO SAVEPOINT obx_event")
-                            .execute(&mut *back)
-                            .await?;
-                        let park = self.record_failure(&mut back, consumer, &claimed, &failure).await?;
-                        let behind: Vec<Uuid> = batch.filter(|c| c.fresh).map(|c| c.event_id).collect();
-                        sqlx::query("SELECT obx_api.inbox_untake($1)")
-                            .bind(&behind)
-                            .execute(&mut *back)
-                            .await?;
-                        failed = Some((claimed, park));
-                        tx = back;
-                        break;
-                    }
-                    // The transaction is gone, and the row locks with it: what it did is
-                    // undone, and the next claims retry it.
-                    None => return Ok(Outcome::Worked),
-                    // The session was abandoned mid-result: record the attempt on a fresh
-                    // one, so that the event is parked in the end like any other.
-                    Some(poisoned) => {
-                        poisoned.abandon();
-                        let mut fresh = self.dispatcher.sessions.begin(consumer).await?;
-                        let park = self.record_failure(&mut fresh, consumer, &claimed, &failure).await?;
-                        fresh.commit().await?;
-                        self.report_parked(consumer, &claimed, park);
-                        return Ok(Outcome::Worked);
-                    }
-                },
+        };
+        // The first failed event: its attempt is recorded under its row lock, and the rest of
+        // the batch, of the same key, waits behind it.
+        let parked = match (failed, fresh.get(emitted.len())) {
+            (Some(failure), Some(claimed)) => {
+                let park = self.record_failure(&mut tx, consumer, claimed, &failure).await?;
+                let behind: Vec<Uuid> = fresh[emitted.len() + 1..].iter().map(|c| c.job.event_id).collect();
+                sqlx::query("SELECT obx_api.inbox_untake($1)")
+                    .bind(&behind)
+                    .execute(&mut *tx)
+                    .await?;
+                Some((*claimed, park))
             }
-        }
-        // Outbox ids are taken at the end of the transaction, as for a single call.
-        let mut written = 0;
-        for e in &emitted {
-            written += e.write(&mut tx).await?;
-        }
-        self.dispatcher.commit_event(tx, written).await?;
-        metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string())
-            .increment(emitted.len() as u64);
-        if let Some((claimed, park)) = failed {
-            self.report_parked(consumer, &claimed, park);
+            _ => None,
+        };
+        let handled = emitted.len();
+        handling::commit(&self.dispatcher, tx, &emitted).await?;
+        metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string()).increment(handled as u64);
+        if let Some((claimed, park)) = parked {
+            self.report_parked(consumer, claimed, park);
         }
         Ok(Outcome::Worked)
     }
@@ -200,15 +179,15 @@ impl Processor {
         tx: &mut PluginTx,
         consumer: &str,
         claimed: &Claimed,
-        failure: &crate::dispatch::EventFailure,
+        failure: &Failure,
     ) -> anyhow::Result<bool> {
         let attempts = claimed.attempts as u32 + 1;
-        tracing::warn!(consumer, event_id = %claimed.event_id, attempts,
+        tracing::warn!(consumer, event_id = %claimed.job.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
         let park = !failure.retriable || attempts >= self.config.max_attempts;
         let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
         sqlx::query("SELECT obx_api.inbox_fail($1, $2, $3, $4, $5)")
-            .bind(claimed.event_id)
+            .bind(claimed.job.event_id)
             .bind(attempts as i32)
             .bind(&failure.error)
             .bind(park)
@@ -222,7 +201,7 @@ impl Processor {
     fn report_parked(&self, consumer: &str, claimed: &Claimed, park: bool) {
         if park {
             metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
-            tracing::error!(consumer, event_id = %claimed.event_id, attempts = claimed.attempts + 1,
+            tracing::error!(consumer, event_id = %claimed.job.event_id, attempts = claimed.attempts + 1,
                 "event parked in the dead-letter table");
         }
     }
@@ -247,22 +226,20 @@ fn claimed(row: &sqlx::postgres::PgRow) -> sqlx::Result<Claimed> {
     let headers: serde_json::Map<String, serde_json::Value> =
         serde_json::from_value(row.try_get("headers")?).unwrap_or_default();
     let attempts = row.try_get::<i32, _>("attempts")?.max(0);
-    let event_id: Uuid = row.try_get("event_id")?;
+    let fields = EventFields {
+        event_id: row.try_get("event_id")?,
+        event_type: row.try_get("event_type")?,
+        topic: row.try_get("topic")?,
+        key: row.try_get("partition_key")?,
+        payload: row.try_get("payload")?,
+        headers: headers
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
+            .collect(),
+    };
     Ok(Claimed {
-        event_id,
         attempts,
         fresh: row.try_get("fresh")?,
-        event: guest::Event {
-            event_id: event_id.to_string(),
-            event_type: row.try_get("event_type")?,
-            topic: row.try_get("topic")?,
-            key: row.try_get("partition_key")?,
-            payload: row.try_get("payload")?,
-            headers: headers
-                .into_iter()
-                .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
-                .collect(),
-            attempt: attempts as u32 + 1,
-        },
+        job: Job::new(fields, attempts as u32 + 1),
     })
 }

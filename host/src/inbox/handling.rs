@@ -1,0 +1,180 @@
+//! The one path every consumed event takes to its handler, in dedup mode and in inbox mode
+//! alike. A caller opens a transaction on the plugin's session and records there which
+//! events it takes (dedup records, or an inbox claim); then [`run`] hands the events to the
+//! handler in order, each behind a savepoint of its own, and stops at the first whose
+//! handler fails, rolled back to its savepoint alone. The caller records what that failure
+//! means (a retry later, or a dead letter: [`park`]) in the same transaction, and
+//! [`commit`]s: the outbox rows of the handled events are written just before the commit, as
+//! a single command's are, so outbox id order stays commit order.
+
+use sqlx::{Connection as _, Executor as _, PgConnection};
+use uuid::Uuid;
+
+use super::Incoming;
+use crate::db::sessions::PluginTx;
+use crate::dispatch::{Dispatcher, Emitted};
+use crate::runtime::bindings::guest;
+use crate::runtime::Plugin;
+use crate::trace::TraceContext;
+
+/// An event on its way to the handler: what the guest gets, and the trace it continues.
+pub(crate) struct Job {
+    pub event_id: Uuid,
+    pub event: guest::Event,
+    pub parent: Option<TraceContext>,
+}
+
+/// The fields of an event, wherever it was read from (a Kafka message or an inbox row).
+pub(crate) struct EventFields {
+    pub event_id: Uuid,
+    pub event_type: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub payload: String,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Job {
+    /// The job for attempt `attempt` of an event.
+    pub fn new(fields: EventFields, attempt: u32) -> Job {
+        let parent = fields
+            .headers
+            .iter()
+            .find(|(k, _)| k == "traceparent")
+            .and_then(|(_, v)| TraceContext::parse(v));
+        Job {
+            event_id: fields.event_id,
+            parent,
+            event: guest::Event {
+                event_id: fields.event_id.to_string(),
+                event_type: fields.event_type,
+                topic: fields.topic,
+                key: fields.key,
+                payload: fields.payload,
+                headers: fields.headers,
+                attempt,
+            },
+        }
+    }
+
+    pub fn of(incoming: &Incoming, attempt: u32) -> Job {
+        Job::new(
+            EventFields {
+                event_id: incoming.event_id,
+                event_type: incoming.event_type.clone(),
+                topic: incoming.topic.clone(),
+                key: incoming.key.clone(),
+                payload: incoming.payload.clone(),
+                headers: incoming.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            },
+            attempt,
+        )
+    }
+}
+
+/// A handler's failure: for logs, `last_error` and the dead-letter table, and whether
+/// another attempt can help (not for invalid input or a business rejection).
+pub(crate) struct Failure {
+    pub error: String,
+    pub retriable: bool,
+}
+
+/// How a run of handlers ended.
+pub(crate) enum Ran {
+    /// The transaction is open. The handlers of the first `emitted.len()` jobs succeeded;
+    /// `failed` is why the next one's did not (rolled back to its savepoint).
+    Open {
+        tx: PluginTx,
+        emitted: Vec<Emitted>,
+        failed: Option<Failure>,
+    },
+    /// The transaction was lost with the handler of job `at` (a call killed while its
+    /// statement may still run): nothing of it will commit. `session` is the session, when
+    /// it came back, for the caller to abandon.
+    Lost {
+        at: usize,
+        failure: Failure,
+        session: Option<PluginTx>,
+    },
+}
+
+/// Runs the handlers of `jobs` in order in `tx`, each behind a savepoint, up to the first
+/// that fails.
+pub(crate) async fn run(
+    dispatcher: &Dispatcher,
+    plugin: &Plugin,
+    mut tx: PluginTx,
+    jobs: &[&Job],
+) -> sqlx::Result<Ran> {
+    let mut emitted = Vec::with_capacity(jobs.len());
+    for (at, job) in jobs.iter().enumerate() {
+        // Nested savepoints of one name: a rollback to it undoes this event alone.
+        tx.execute("SAVEPOINT obx_event").await?;
+        match dispatcher
+            .call_event(plugin, tx, job.event.clone(), job.parent.as_ref())
+            .await
+        {
+            Ok((back, e)) => {
+                tx = back;
+                emitted.push(e);
+            }
+            Err(mut f) => {
+                let failure = Failure {
+                    error: std::mem::take(&mut f.error),
+                    retriable: f.retriable,
+                };
+                return Ok(match f.tx.take() {
+                    Some(mut back) if !back.is_poisoned() => {
+                        back.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
+                        Ran::Open {
+                            tx: back,
+                            emitted,
+                            failed: Some(failure),
+                        }
+                    }
+                    session => Ran::Lost { at, failure, session },
+                });
+            }
+        }
+    }
+    Ok(Ran::Open {
+        tx,
+        emitted,
+        failed: None,
+    })
+}
+
+/// Writes the handled events' outbox rows and commits; wakes the relay if there were any.
+pub(crate) async fn commit(dispatcher: &Dispatcher, mut tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
+    let mut written = 0;
+    for e in emitted {
+        written += e.write(&mut tx).await?;
+    }
+    dispatcher.commit_event(tx, written).await
+}
+
+/// Parks a dedup-mode event that kept failing, on the host's own connection: it is stored in
+/// the inbox (if it is not there yet) and parked there by `obx.park_event`, the one place
+/// that parks an event in either mode, with a dead letter; later events of its key queue
+/// behind it.
+pub(crate) async fn park(
+    conn: &mut PgConnection,
+    consumer: &str,
+    e: &Incoming,
+    attempts: u32,
+    error: &str,
+) -> sqlx::Result<()> {
+    let mut tx = conn.begin().await?;
+    super::consumer::store_in_inbox(&mut tx, consumer, e).await?;
+    sqlx::query("SELECT obx.park_event($1, $2, $3, $4)")
+        .bind(consumer)
+        .bind(e.event_id)
+        .bind(attempts as i32)
+        .bind(error)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
+    tracing::error!(consumer, event_id = %e.event_id, attempts, error, "event parked in the dead-letter table");
+    Ok(())
+}
