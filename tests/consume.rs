@@ -127,6 +127,118 @@ async fn a_crash_between_the_commit_and_the_offset_commit_has_one_effect() {
     next.shutdown().await;
 }
 
+/// Kills (SIGKILL) the host process it holds when dropped, so that a failed test leaves no
+/// host behind.
+struct HostProcess(std::process::Child);
+
+impl Drop for HostProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The offsets the consumer group of `plugin` in `host`'s service committed on `topic`'s
+/// partitions, as the broker has them (absent: none committed).
+fn committed_offsets(broker: &TestBroker, host: &TestHost, plugin: &str, topic: &str) -> Vec<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let db = host.database_url.rsplit('/').next().unwrap();
+    let group = format!("test-{db}.{plugin}");
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &broker.bootstrap)
+        .set("group.id", &group)
+        .create()
+        .unwrap();
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+    let mut partitions = rdkafka::TopicPartitionList::new();
+    for p in metadata.topics()[0].partitions() {
+        partitions.add_partition(topic, p.id());
+    }
+    let committed = consumer.committed_offsets(partitions, Duration::from_secs(10)).unwrap();
+    committed
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            rdkafka::Offset::Offset(o) => Some(o),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_host_killed_with_sigkill_after_its_batches_commit_and_before_its_offsets_do_has_one_effect_per_event() {
+    let broker = broker();
+    // The database and the topic of a testbed service; its events wait on the broker, so
+    // that the host process's lanes take them in batches.
+    let (setup, topic) = not_consuming(&broker, DEDUP).await;
+    let p = producer(&broker.bootstrap);
+    let mut ids = Vec::new();
+    for i in 0..200 {
+        ids.push(send_event(&p, &topic, &format!("k{}", i % 8), "Thing", &json!({ "seq": i })).await);
+    }
+    let url = setup.database_url.clone();
+    let process = HostProcess(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "host_process_to_kill", "--ignored", "--test-threads=1"])
+            .env("OBX_CHILD_DATABASE_URL", &url)
+            .env("OBX_CHILD_BROKERS", &broker.bootstrap)
+            .env("OBX_CHILD_MOCK_BROKER", if broker.mock.is_some() { "1" } else { "0" })
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting the host process"),
+    );
+    eventually(
+        Duration::from_secs(60),
+        "200 effects, committed by the host process",
+        || async { total_effects(&setup).await == 200 },
+    )
+    .await;
+    // SIGKILL: no shutdown, no final offset commit.
+    drop(process);
+    assert!(
+        committed_offsets(&broker, &setup, "testbed", &topic)
+            .iter()
+            .all(|&o| o == 0),
+        "the killed host committed offsets: the crash came too late to test anything"
+    );
+
+    // The next host of the service gets all two hundred again: each is a dedup hit.
+    let next = next_host(&broker, setup, |_| {}).await;
+    let marker = send_event(&p, &topic, "k0", "Thing", &json!({ "seq": 999 })).await;
+    eventually(
+        Duration::from_secs(30),
+        "the marker after the redelivered events",
+        || async { effects(&next, marker).await == 1 },
+    )
+    .await;
+    for id in ids {
+        assert_eq!(effects(&next, id).await, 1, "event {id} took effect more than once");
+    }
+    assert_eq!(total_effects(&next).await, 201);
+    assert_eq!(key_disorder(&next).await, 0);
+    next.shutdown().await;
+}
+
+/// The host process that the SIGKILL test above starts and kills; it runs only as that
+/// test's child. Its consumer stores offsets after each commit, but commits them to Kafka
+/// only every ten minutes: the kill comes after the database commits and before any offset
+/// reaches the broker.
+#[tokio::test]
+#[ignore = "the host process of the SIGKILL test, which runs it"]
+async fn host_process_to_kill() {
+    let url = std::env::var("OBX_CHILD_DATABASE_URL").expect("run by the SIGKILL test only");
+    let plugins = tempfile::tempdir().unwrap();
+    let testbed = obx_tests::plugin("testbed");
+    std::fs::copy(&testbed, plugins.path().join(testbed.file_name().unwrap())).unwrap();
+    let mut config = obx_tests::test_config(&url, plugins.path());
+    config.kafka.brokers = std::env::var("OBX_CHILD_BROKERS").unwrap();
+    config.kafka.create_topics = std::env::var("OBX_CHILD_MOCK_BROKER").as_deref() != Ok("1");
+    config.consumer.auto_commit_interval_ms = 600_000;
+    let _host = obx::app::start(config).await.expect("starting the host");
+    std::future::pending::<()>().await;
+}
+
 #[tokio::test]
 async fn two_hosts_process_each_inbox_row_exactly_once_in_key_order() {
     let broker = broker();
