@@ -417,7 +417,9 @@ async fn consume(events: u32) -> Result<()> {
             if n >= events as i64 {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // The rate comes from the effects' own clocks: polling only has to notice the
+            // end, and each poll is a scan of the whole table, on the CPUs being measured.
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
         let span: f64 = sqlx::query_scalar(
             "SELECT extract(epoch FROM max(at) - min(at))::float8 FROM testbed.effects WHERE topic = $1",
@@ -507,7 +509,10 @@ async fn consume_latency(
         let prefix = format!("lat{n}.");
         let topic = format!("{prefix}testbed.events");
         if let Some(mock) = &env.broker.mock {
+            // Both of the plugin's topics: one that appeared later would change the
+            // subscription, and its rebalance would stall the measured run for seconds.
             mock.create_topic(&topic, 8)?;
+            mock.create_topic(&format!("{prefix}testbed.inbox"), 8)?;
         }
         let url = env.database().await?;
         let mut config = env.config(&url, plugins);
@@ -604,7 +609,8 @@ async fn inbox_intake(env: &Env, plugins: &std::path::Path, producer: &FuturePro
             break;
         }
         anyhow::ensure!(Instant::now() < deadline, "the inbox took only {n} of {events} events");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // As above: the rate comes from the rows' clocks; a poll is a scan on measured CPUs.
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let (span, statements): (f64, i64) = sqlx::query_as(
         "SELECT extract(epoch FROM max(received_at) - min(received_at))::float8, count(DISTINCT received_at) \
@@ -627,16 +633,18 @@ async fn latency(rate: u32, per_command: u32, duration: Duration) -> Result<()> 
     let host = obx::app::start(config).await?;
     let commands = rate / per_command.max(1);
     let body = json!({ "id": "lat", "topic": "testbed.alpha", "count": per_command });
+    let url_of_emit = format!("{}/v1/commands/testbed/emit", host.url());
+    let pool = PgPool::connect(&url).await?;
+    // The topic exists, and the producer knows its partitions, before the measured run: a
+    // topic created by its first message makes that message wait for metadata.
+    if let Some(mock) = &env.broker.mock {
+        mock.create_topic("testbed.alpha", 8)?;
+    }
+    open_loop_with(&url_of_emit, body.clone(), commands, Duration::from_secs(1)).await?;
+    wait_published(&pool).await?;
     // The histogram counts since the process started: measure what this run adds.
     let baseline = obx::telemetry::metrics().render();
-    let sent = open_loop_with(
-        &format!("{}/v1/commands/testbed/emit", host.url()),
-        body,
-        commands,
-        duration,
-    )
-    .await?;
-    let pool = PgPool::connect(&url).await?;
+    let sent = open_loop_with(&url_of_emit, body, commands, duration).await?;
     wait_published(&pool).await?;
     let rendered = obx::telemetry::metrics().render();
     let q = |quantile: &str| {
