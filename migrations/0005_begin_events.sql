@@ -1,6 +1,6 @@
--- Dedup batches record their events with one statement (obx_api.begin_event, one event at a
--- time, stays: the one-at-a-time path uses it, and so do hosts of the previous version during
--- a rolling deploy); and one function parks an event, in either mode.
+-- Dedup mode records its events with one statement per batch (obx_api.begin_event, one event
+-- at a time, stays for hosts of the previous version during a rolling deploy); and one
+-- function parks an event, in either mode.
 
 -- Dedup mode, before a batch's handlers run: for each event, in the order given (at most 64),
 -- whether its key is parked behind a dead letter, and if not, whether the event is new to the

@@ -445,7 +445,7 @@ impl Lane {
     }
 
     /// Dedup mode, one event: one transaction, on the plugin's own session, inserts the
-    /// `processed_event` row (through `obx_api.begin_event`), runs the handler and commits
+    /// `processed_event` row (through `obx_api.begin_events`), runs the handler and commits
     /// both. A second delivery finds the row and does nothing. `first_failure` is the
     /// failure of an attempt already made in a batch.
     async fn handle_dedup(&self, event: &Incoming, first_failure: Option<Failure>) -> Done {
@@ -468,7 +468,7 @@ impl Lane {
                 let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
                 // One statement: is the key parked behind a dead letter, and if not, is this
                 // event new? (It records the event as processed, in this transaction.)
-                let (parked, fresh) = begin_event(&mut tx, event).await?;
+                let (parked, fresh) = begin_events(&mut tx, &[event]).await?[0];
                 if parked {
                     tx.rollback().await?;
                     // Wait behind the parked event of this key, in the inbox.
@@ -551,9 +551,7 @@ impl Lane {
                 match step {
                     DbStep::Quarantine(m, reason) => quarantine(&mut conn, &self.plugin, m, reason).await,
                     DbStep::StoreInInbox(e) => store_in_inbox(&mut conn, &self.plugin, e).await,
-                    DbStep::Park(e, attempts, error) => {
-                        handling::park(&mut conn, &self.plugin, e, attempts, error).await
-                    }
+                    DbStep::Park(e, attempts, error) => park(&mut conn, &self.plugin, e, attempts, error).await,
                 }
             }
             .await;
@@ -595,18 +593,6 @@ enum Batch {
     /// The transaction was lost with the handler of message `n` (a call killed while its
     /// statement ran): nothing committed.
     Lost(usize, Failure),
-}
-
-/// Records the event as processed in `tx`, through `obx_api.begin_event`, in one statement:
-/// whether its key is parked behind a dead letter (then nothing is recorded), and whether
-/// the event is new.
-async fn begin_event(tx: &mut PgConnection, event: &Incoming) -> sqlx::Result<(bool, bool)> {
-    sqlx::query_as("SELECT parked, fresh FROM obx_api.begin_event($1, $2, $3)")
-        .bind(event.event_id)
-        .bind(&event.topic)
-        .bind(&event.key)
-        .fetch_one(tx)
-        .await
 }
 
 /// Records the events of a batch as processed in `tx`, through `obx_api.begin_events`, in one
@@ -686,6 +672,26 @@ async fn store_all_in_inbox(conn: &mut PgConnection, consumer: &str, events: &[&
     .bind(events.iter().map(|e| e.headers_json()).collect::<Vec<_>>())
     .execute(conn)
     .await?;
+    Ok(())
+}
+
+/// Parks a dedup-mode event that kept failing, on the host's own connection: it is stored in
+/// the inbox (if it is not there yet) and parked there by `obx.park_event`, the one place
+/// that parks an event in either mode, with a dead letter; later events of its key queue
+/// behind it.
+async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u32, error: &str) -> sqlx::Result<()> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    store_in_inbox(&mut tx, consumer, e).await?;
+    sqlx::query("SELECT obx.park_event($1, $2, $3, $4)")
+        .bind(consumer)
+        .bind(e.event_id)
+        .bind(attempts as i32)
+        .bind(error)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
+    tracing::error!(consumer, event_id = %e.event_id, attempts, error, "event parked in the dead-letter table");
     Ok(())
 }
 

@@ -3,11 +3,11 @@
 //! events it takes (dedup records, or an inbox claim); then [`run`] hands the events to the
 //! handler in order, each behind a savepoint of its own, and stops at the first whose
 //! handler fails, rolled back to its savepoint alone. The caller records what that failure
-//! means (a retry later, or a dead letter: [`park`]) in the same transaction, and
+//! means (a retry later, or a dead letter: `obx.park_event`, in either mode), and
 //! [`commit`]s: the outbox rows of the handled events are written just before the commit, as
 //! a single command's are, so outbox id order stays commit order.
 
-use sqlx::{Connection as _, Executor as _, PgConnection};
+use sqlx::Executor as _;
 use uuid::Uuid;
 
 use super::Incoming;
@@ -151,30 +151,4 @@ pub(crate) async fn commit(dispatcher: &Dispatcher, mut tx: PluginTx, emitted: &
         written += e.write(&mut tx).await?;
     }
     dispatcher.commit_event(tx, written).await
-}
-
-/// Parks a dedup-mode event that kept failing, on the host's own connection: it is stored in
-/// the inbox (if it is not there yet) and parked there by `obx.park_event`, the one place
-/// that parks an event in either mode, with a dead letter; later events of its key queue
-/// behind it.
-pub(crate) async fn park(
-    conn: &mut PgConnection,
-    consumer: &str,
-    e: &Incoming,
-    attempts: u32,
-    error: &str,
-) -> sqlx::Result<()> {
-    let mut tx = conn.begin().await?;
-    super::consumer::store_in_inbox(&mut tx, consumer, e).await?;
-    sqlx::query("SELECT obx.park_event($1, $2, $3, $4)")
-        .bind(consumer)
-        .bind(e.event_id)
-        .bind(attempts as i32)
-        .bind(error)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    metrics::counter!("obx_dead_letters_total", "plugin" => consumer.to_string()).increment(1);
-    tracing::error!(consumer, event_id = %e.event_id, attempts, error, "event parked in the dead-letter table");
-    Ok(())
 }

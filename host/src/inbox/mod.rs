@@ -7,8 +7,7 @@
 //! * [`processor`] — inbox processors: claim the next event of a key with
 //!   `FOR UPDATE SKIP LOCKED` and process it in that same transaction.
 //! * `handling` — the one path from a taken event to its handler's commit, both modes: a
-//!   savepoint per event, the first failure ends the run, outbox rows just before the commit;
-//!   and parking.
+//!   savepoint per event, the first failure ends the run, outbox rows just before the commit.
 //! * [`dlq`] — the dead-letter table: list, retry, discard.
 //!
 //! Invariants:
