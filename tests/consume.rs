@@ -34,6 +34,26 @@ async fn key_disorder(host: &TestHost) -> i64 {
     .await
 }
 
+/// Exactly `n` effects, each of a different event: every event took effect once.
+async fn assert_each_effect_once(host: &TestHost, n: i64) {
+    assert_eq!(total_effects(host).await, n, "effects");
+    assert_eq!(
+        host.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
+        n,
+        "events with an effect"
+    );
+}
+
+/// `n` events written in fewer than `n` transactions: rows written by one transaction share
+/// its start time, and `stamps` counts the distinct times.
+async fn assert_batched(host: &TestHost, n: i64, stamps: &str) {
+    let transactions = host.count(stamps).await;
+    assert!(
+        transactions < n,
+        "{n} events took {transactions} transactions: no batch"
+    );
+}
+
 /// A host of the testbed service whose consumer does not run, and the broker topic of
 /// `logical`, created (nobody consumes it yet, so nobody created it). Events sent there wait
 /// on the broker, so that [`next_host`]'s lanes find them queued and take them in batches.
@@ -263,11 +283,7 @@ async fn two_hosts_process_each_inbox_row_exactly_once_in_key_order() {
         a.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 300
     })
     .await;
-    assert_eq!(total_effects(&a).await, 300, "each row processed once");
-    assert_eq!(
-        a.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
-        300
-    );
+    assert_each_effect_once(&a, 300).await;
     // Within a key, effects happened in seq order.
     let disorder = key_disorder(&a).await;
     assert_eq!(disorder, 0, "per-key order in the inbox");
@@ -384,21 +400,15 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
     assert_eq!((letters.len(), letters[0].waiting), (1, 2));
     assert_eq!(letters[0].attempts, 2);
     // Every effect once, each key in order.
-    assert_eq!(total_effects(&host).await, 15);
-    assert_eq!(
-        host.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
-        15
-    );
+    assert_each_effect_once(&host, 15).await;
     let disorder = key_disorder(&host).await;
     assert_eq!(disorder, 0, "per-key order across batches");
-    // Batches: events that committed together share their transaction's start time.
-    let transactions = host
-        .count("SELECT count(DISTINCT processed_at) FROM obx.processed_event WHERE consumer = 'testbed'")
-        .await;
-    assert!(
-        transactions < 15,
-        "15 events took {transactions} transactions: no batch"
-    );
+    assert_batched(
+        &host,
+        15,
+        "SELECT count(DISTINCT processed_at) FROM obx.processed_event WHERE consumer = 'testbed'",
+    )
+    .await;
     host.shutdown().await;
 }
 
@@ -432,10 +442,7 @@ async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
         .await;
     assert_eq!(disorder, 0, "inbox order within a key");
     // Rows stored by one statement share its transaction's start time.
-    let statements = host
-        .count("SELECT count(DISTINCT received_at) FROM obx.inbox_event")
-        .await;
-    assert!(statements < 90, "90 events took {statements} statements: no batch");
+    assert_batched(&host, 90, "SELECT count(DISTINCT received_at) FROM obx.inbox_event").await;
     host.shutdown().await;
 }
 
@@ -476,24 +483,18 @@ async fn inbox_processors_handle_batches_and_park_a_poison_event_with_its_key() 
         host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await,
         45
     );
-    assert_eq!(total_effects(&host).await, 45, "each event handled once");
-    assert_eq!(
-        host.count("SELECT count(DISTINCT event_id) FROM testbed.effects").await,
-        45
-    );
+    assert_each_effect_once(&host, 45).await;
     assert_eq!(effects(&host, ids[31]).await, 0);
     let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
     assert_eq!((letters.len(), letters[0].waiting, letters[0].attempts), (1, 14, 2));
     let disorder = key_disorder(&host).await;
     assert_eq!(disorder, 0, "per-key order across batches");
-    // Rows handled in one transaction share its start time.
-    let transactions = host
-        .count("SELECT count(DISTINCT processed_at) FROM obx.inbox_event WHERE processed")
-        .await;
-    assert!(
-        transactions < 45,
-        "45 events took {transactions} transactions: no batch"
-    );
+    assert_batched(
+        &host,
+        45,
+        "SELECT count(DISTINCT processed_at) FROM obx.inbox_event WHERE processed",
+    )
+    .await;
     host.shutdown().await;
 }
 
