@@ -259,6 +259,62 @@ async fn host_process_to_kill() {
     std::future::pending::<()>().await;
 }
 
+/// Rejoins of the consumer of `plugin` in this process.
+fn rejoins(plugin: &str) -> f64 {
+    let needle = format!("obx_consumer_rejoins_total{{plugin=\"{plugin}\"}} ");
+    obx::telemetry::metrics()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&needle))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_consumer_that_holds_partitions_with_lag_and_makes_no_progress_rejoins_its_group() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: the fault (failing fetches) needs the mock cluster");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.stuck_after = Duration::from_secs(1);
+        c.kafka
+            .properties
+            .insert("fetch.error.backoff.ms".into(), obx::config::Secret::new("100"));
+    })
+    .await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let first = send_event(&p, &host.topic(DEDUP), "K", "Thing", &json!({ "seq": 0 })).await;
+    eventually(Duration::from_secs(30), "the first event", || async {
+        effects(&host, first).await == 1
+    })
+    .await;
+    let before = rejoins("testbed");
+
+    // The next 15 fetches fail (about 3 s, longer than `stuck_after`): the consumer holds
+    // its partitions, the broker has new messages on them, and nothing arrives.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Fetch,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+        15,
+    );
+    send_many(&p, &host.topic(DEDUP), "K", 1..21).await;
+    eventually(Duration::from_secs(30), "the stuck consumer rejoins", || async {
+        rejoins("testbed") > before
+    })
+    .await;
+    // Once fetches succeed again, the rejoined consumer takes every event, once, in order.
+    eventually(Duration::from_secs(60), "all events after the rejoin", || async {
+        total_effects(&host).await == 21
+    })
+    .await;
+    assert_each_effect_once(&host, 21).await;
+    assert_eq!(key_disorder(&host).await, 0, "per-key order");
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn two_hosts_process_each_inbox_row_exactly_once_in_key_order() {
     let broker = broker();

@@ -76,6 +76,31 @@ pub struct ConsumerConfig {
     pub inbox_poll_interval: Duration,
     /// librdkafka `auto.commit.interval.ms`: how often stored offsets are committed.
     pub auto_commit_interval_ms: u32,
+    /// How long the group waits for a silent member (a killed host) before its partitions
+    /// go to the others: Kafka's `session.timeout.ms`. Brokers refuse values below their
+    /// `group.min.session.timeout.ms` (6 s unless changed).
+    #[serde(with = "humantime_serde")]
+    pub session_timeout: Duration,
+    /// How often a member tells the group it is alive, and so how soon it hears of a
+    /// rebalance: Kafka's `heartbeat.interval.ms`. Below a third of `session_timeout`.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// How partitions are spread over the group's members: `cooperative-sticky` (members keep
+    /// their partitions while the group rebalances; only moved partitions pause), `range` or
+    /// `roundrobin` (every member stops for every rebalance). The hosts of a service must
+    /// agree: change it with all of them stopped.
+    pub assignor: String,
+    /// This host's identity in its groups (Kafka's static membership, `group.instance.id`):
+    /// a host that restarts under the same id within `session_timeout` takes back its
+    /// partitions without a rebalance. Unique per host of a service, stable across its
+    /// restarts (a pod name of a StatefulSet); a host that stops for good holds its
+    /// partitions until `session_timeout` ends. Unset: dynamic membership.
+    pub instance_id: Option<String>,
+    /// A consumer that holds partitions the broker has newer messages for, and has received
+    /// or finished none for this long, leaves its group and joins it again (a broker that
+    /// lost track of the group, a fetcher that stopped). 0 turns the check off.
+    #[serde(with = "humantime_serde")]
+    pub stuck_after: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -92,6 +117,11 @@ impl Default for ConsumerConfig {
             inbox_processors: 4,
             inbox_poll_interval: Duration::from_millis(500),
             auto_commit_interval_ms: 1000,
+            session_timeout: Duration::from_secs(6),
+            heartbeat_interval: Duration::from_millis(500),
+            assignor: "cooperative-sticky".into(),
+            instance_id: None,
+            stuck_after: Duration::from_secs(15),
         }
     }
 }
@@ -690,6 +720,25 @@ impl Config {
         if !(1..=64).contains(&self.consumer.batch_max_events) {
             return invalid("consumer.batch_max_events", "must be 1 to 64");
         }
+        let c = &self.consumer;
+        if c.session_timeout < Duration::from_secs(1) || c.session_timeout > Duration::from_secs(3600) {
+            return invalid("consumer.session_timeout", "must be between 1s and 1h");
+        }
+        if c.heartbeat_interval.is_zero() || c.heartbeat_interval * 3 > c.session_timeout {
+            return invalid(
+                "consumer.heartbeat_interval",
+                "must be greater than 0 and at most a third of consumer.session_timeout",
+            );
+        }
+        let assignors = ["cooperative-sticky", "range", "roundrobin"];
+        if !assignors.contains(&c.assignor.as_str()) {
+            return invalid("consumer.assignor", "must be cooperative-sticky, range or roundrobin");
+        }
+        if let Some(id) = &c.instance_id {
+            if id.is_empty() || id.len() > 200 || !id.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+                return invalid("consumer.instance_id", "must be 1-200 characters of A-Z a-z 0-9 . _ -");
+            }
+        }
         if self.consumer.batch_max_bytes == 0 {
             return invalid("consumer.batch_max_bytes", "must be greater than 0");
         }
@@ -828,6 +877,21 @@ mod tests {
             ),
             ("empty batch", "[relay]\nbatch_size = 0", "relay.batch_size"),
             ("service name", "[service]\nname = \"a b\"", "service.name"),
+            (
+                "heartbeat not below the session",
+                "[consumer]\nsession_timeout = \"3s\"\nheartbeat_interval = \"2s\"",
+                "consumer.heartbeat_interval",
+            ),
+            (
+                "unknown assignor",
+                "[consumer]\nassignor = \"sticky\"",
+                "consumer.assignor",
+            ),
+            (
+                "instance id",
+                "[consumer]\ninstance_id = \"host 1\"",
+                "consumer.instance_id",
+            ),
         ];
         for (class, text, key) in cases {
             figment::Jail::expect_with(|jail| {

@@ -162,6 +162,16 @@ impl MockBroker {
         Ok(())
     }
 
+    /// Answers the next `count` requests of `api` with `error` (a fault for tests).
+    pub fn fail_requests(
+        &self,
+        api: rdkafka::types::RDKafkaApiKey,
+        error: rdkafka::types::RDKafkaRespErr,
+        count: usize,
+    ) {
+        self.0.request_errors(api, &vec![error; count]);
+    }
+
     /// Creates a topic with a given number of partitions.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
         self.0.create_topic(topic, partitions, 1)?;

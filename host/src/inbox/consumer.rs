@@ -21,6 +21,7 @@ use uuid::Uuid;
 const IN_FLIGHT_KIB: usize = 64 * 1024;
 
 use super::handling::{self, Failure, Job, Ran};
+use super::stuck::{self, Progress};
 use super::{backoff, Incoming};
 use crate::config::{ConsumerConfig, KafkaConfig};
 use crate::dispatch::Dispatcher;
@@ -61,6 +62,16 @@ struct Lane {
     shutdown: watch::Receiver<bool>,
 }
 
+/// How one membership of the group ended.
+enum Ended {
+    /// The host or the plugin's consumer is stopping.
+    Shutdown,
+    /// Partitions with messages to consume, and no progress for this long.
+    Stuck(Duration),
+    /// The consumer could not be created or subscribed (logged).
+    Failed,
+}
+
 impl Consumer {
     pub async fn run(mut self) {
         let Some(plugin) = self.registry.get(&self.plugin) else {
@@ -73,29 +84,47 @@ impl Consumer {
             .iter()
             .map(|s| format!("{prefix}{}", s.topic))
             .collect();
+        drop(plugin);
         if topics.is_empty() {
             return;
         }
         if self.kafka.create_topics {
             crate::kafka::ensure_topics(&self.brokers, &self.kafka, &topics).await;
         }
+        loop {
+            match self.membership(&topics).await {
+                Ended::Shutdown | Ended::Failed => return,
+                Ended::Stuck(idle) => {
+                    tracing::warn!(plugin = %self.plugin, group = %self.group, idle_ms = idle.as_millis() as u64,
+                        "the consumer holds partitions with messages to consume and has made no progress: \
+                         leaving the group and joining it again");
+                    metrics::counter!("obx_consumer_rejoins_total", "plugin" => self.plugin.clone()).increment(1);
+                }
+            }
+        }
+    }
+
+    /// One membership of the group: joins it, consumes until shutdown or until stuck, then
+    /// finishes what its lanes hold, commits their offsets and leaves.
+    async fn membership(&mut self, topics: &[String]) -> Ended {
         let consumer = match self.create() {
             Ok(c) => Arc::new(c),
             Err(e) => {
                 tracing::error!(plugin = %self.plugin, error = %e, "cannot create the Kafka consumer");
-                return;
+                return Ended::Failed;
             }
         };
         let names: Vec<&str> = topics.iter().map(String::as_str).collect();
         if let Err(e) = consumer.subscribe(&names) {
             tracing::error!(plugin = %self.plugin, error = %e, "cannot subscribe");
-            return;
+            return Ended::Failed;
         }
         tracing::info!(plugin = %self.plugin, group = %self.group, ?topics, "consuming");
 
         // Lanes take their messages from unbounded queues, so that a busy partition never
         // holds up the others; what bounds memory is a budget of bytes in flight.
         let budget = Arc::new(Semaphore::new(IN_FLIGHT_KIB));
+        let progress = Arc::new(Progress::new());
         let mut lanes = Vec::new();
         let mut senders = Vec::new();
         for _ in 0..self.config.lanes.max(1) {
@@ -109,24 +138,42 @@ impl Consumer {
                 inbox: self.inbox.clone(),
                 shutdown: self.shutdown.clone(),
             };
-            lanes.push(tokio::spawn(lane.run(rx, consumer.clone())));
+            lanes.push(tokio::spawn(lane.run(rx, consumer.clone(), progress.clone())));
             senders.push(tx);
         }
-        loop {
+        let stuck_after = self.config.stuck_after;
+        let mut check =
+            tokio::time::interval((stuck_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
+        let ended = loop {
             let message = tokio::select! {
                 m = consumer.recv() => m,
-                _ = self.shutdown.changed() => break,
+                _ = self.shutdown.changed() => break Ended::Shutdown,
+                _ = check.tick(), if !stuck_after.is_zero() => {
+                    // Only with nothing in the lanes: a lane at work is progress to come.
+                    let Some(idle) = progress.idle_beyond(stuck_after) else { continue };
+                    if budget.available_permits() < IN_FLIGHT_KIB {
+                        continue;
+                    }
+                    let c = consumer.clone();
+                    if tokio::task::spawn_blocking(move || stuck::behind(&*c)).await.unwrap_or(false) {
+                        break Ended::Stuck(idle);
+                    }
+                    // Not behind: ask the broker again a bound from now.
+                    progress.advanced();
+                    continue;
+                }
             };
             match message {
                 Ok(m) => {
+                    progress.advanced();
                     let kib = (m.payload_len() / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
                     let permit = tokio::select! {
                         p = budget.clone().acquire_many_owned(kib) => p.expect("never closed"),
-                        _ = self.shutdown.changed() => break,
+                        _ = self.shutdown.changed() => break Ended::Shutdown,
                     };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
                     if senders[lane].send((m.detach(), permit)).is_err() {
-                        break;
+                        break Ended::Shutdown;
                     }
                 }
                 Err(e) => {
@@ -135,16 +182,21 @@ impl Consumer {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
-        }
+        };
         drop(senders);
         for lane in lanes {
             let _ = lane.await;
         }
-        // Commit the offsets of completed work before leaving the group.
+        // Commit the offsets of completed work before leaving the group; closing the
+        // consumer (librdkafka's leave) blocks, so it happens off the async runtime.
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(plugin = %self.plugin, error = %e, "final offset commit");
         }
-        tracing::info!(plugin = %self.plugin, "consumer stopped");
+        let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+        if let Ended::Shutdown = ended {
+            tracing::info!(plugin = %self.plugin, "consumer stopped");
+        }
+        ended
     }
 
     fn create(&self) -> rdkafka::error::KafkaResult<StreamConsumer<LagReporter>> {
@@ -162,12 +214,15 @@ impl Consumer {
             // it), rather than waited for.
             .set("allow.auto.create.topics", "true")
             .set("topic.metadata.refresh.interval.ms", "5000")
-            // A host that dies gives up its partitions after 10 s, not librdkafka's 45 s.
-            .set("session.timeout.ms", "10000")
-            .set("heartbeat.interval.ms", "1000")
+            .set("session.timeout.ms", millis(self.config.session_timeout))
+            .set("heartbeat.interval.ms", millis(self.config.heartbeat_interval))
+            .set("partition.assignment.strategy", &self.config.assignor)
             // librdkafka reports each partition's lag with its statistics.
             .set("statistics.interval.ms", "5000")
             .set("fetch.wait.max.ms", "50");
+        if let Some(id) = &self.config.instance_id {
+            config.set("group.instance.id", id);
+        }
         for (key, value) in &self.kafka.properties {
             config.set(key, value.expose());
         }
@@ -203,11 +258,16 @@ impl rdkafka::ClientContext for LagReporter {
 
 impl rdkafka::consumer::ConsumerContext for LagReporter {}
 
+fn millis(d: Duration) -> String {
+    d.as_millis().to_string()
+}
+
 impl Lane {
     async fn run(
         self,
         mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
         consumer: Arc<StreamConsumer<LagReporter>>,
+        progress: Arc<Progress>,
     ) {
         while let Some(first) = rx.recv().await {
             // Whatever else is queued goes with it, up to the batch limits: a batch never
@@ -232,6 +292,7 @@ impl Lane {
             // is then a dedup hit.
             let settle = |m: &OwnedMessage| {
                 let _ = consumer.store_offset(m.topic(), m.partition(), m.offset());
+                progress.advanced();
             };
             if let Done::Stopped = self.handle_all(&messages, &settle).await {
                 return;

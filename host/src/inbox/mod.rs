@@ -24,6 +24,7 @@ pub mod consumer;
 pub mod dlq;
 mod handling;
 pub mod processor;
+mod stuck;
 pub mod supervisor;
 
 use std::collections::BTreeMap;
