@@ -239,6 +239,85 @@ async fn commands_succeed_while_the_broker_is_down_and_the_backlog_drains_after(
     host.shutdown().await;
 }
 
+fn producer_rebuilds() -> f64 {
+    obx::telemetry::metrics()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix("obx_relay_producer_rebuilds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_producer_whose_acknowledgements_stall_while_the_broker_answers_is_replaced_and_key_order_holds() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to fail produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.ack_timeout = Duration::from_millis(500);
+        c.relay.stall_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let t = topic("gamma");
+    let keys: Vec<String> = (0..5).map(|k| format!("key-{k}")).collect();
+    let emit = |seq: i64| {
+        let (host, t, keys) = (&host, t.clone(), keys.clone());
+        async move {
+            let a = host
+                .command(
+                    "testbed",
+                    "emit",
+                    json!({ "id": format!("s{seq}"), "topic": t, "keys": keys, "seq": seq }),
+                )
+                .await;
+            assert_eq!(a.status, 200, "{}", a.text);
+        }
+    };
+    emit(0).await;
+    all_published(&host, 5).await;
+    let before = producer_rebuilds();
+
+    // The broker answers metadata, but refuses the next 60 produce requests with a
+    // retriable error: the producer retries with backoff, and its acknowledgements stall.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        60,
+    );
+    for seq in 1..20 {
+        emit(seq).await;
+    }
+    eventually(Duration::from_secs(30), "a new producer", || async {
+        producer_rebuilds() > before
+    })
+    .await;
+    all_published(&host, 100).await;
+
+    // Every row reached the broker, and each key's first copies are in commit order.
+    // All of the topic: the old producer's messages may be there too, as second copies.
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 1000, Duration::from_secs(8)).await;
+    let mut sorted = messages.clone();
+    sorted.sort_by_key(|m| (m.partition, m.offset));
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    let mut violations = 0;
+    for m in &sorted {
+        if !seen.insert(m.header("eventId").unwrap().to_string()) {
+            continue; // a second copy (at least once)
+        }
+        let seq = m.json()["seq"].as_i64().unwrap();
+        if last.insert(m.key.clone().unwrap(), seq).is_some_and(|p| p >= seq) {
+            violations += 1;
+        }
+    }
+    assert_eq!(seen.len(), 100, "every event on the broker");
+    assert_eq!(violations, 0, "per-key order violations");
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_relay_killed_between_send_and_mark_sends_again() {
     let broker = broker();

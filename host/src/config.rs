@@ -309,6 +309,11 @@ pub struct RelayConfig {
     /// acknowledged; the rest stays in flight and is collected by later claims.
     #[serde(with = "humantime_serde")]
     pub ack_timeout: Duration,
+    /// A producer whose oldest message has waited this long for its acknowledgement while
+    /// the broker answers it is replaced by a new one, which sends the unacknowledged rows
+    /// again in order.
+    #[serde(with = "humantime_serde")]
+    pub stall_timeout: Duration,
     /// First delay after a failed delivery; it doubles with each attempt up to `backoff_max`.
     #[serde(with = "humantime_serde")]
     pub backoff_initial: Duration,
@@ -329,6 +334,7 @@ impl Default for RelayConfig {
             batch_size: 1000,
             poll_interval: Duration::from_secs(1),
             ack_timeout: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(5),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(30),
             linger_ms: 1,
@@ -695,6 +701,9 @@ impl Config {
         }
         if self.relay.ack_timeout.is_zero() {
             return invalid("relay.ack_timeout", "must be greater than 0");
+        }
+        if self.relay.stall_timeout < Duration::from_millis(100) {
+            return invalid("relay.stall_timeout", "must be at least 100ms");
         }
         if self.relay.backoff_initial.is_zero() || self.relay.backoff_max < self.relay.backoff_initial {
             return invalid(

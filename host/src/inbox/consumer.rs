@@ -256,7 +256,29 @@ impl rdkafka::ClientContext for LagReporter {
     }
 }
 
-impl rdkafka::consumer::ConsumerContext for LagReporter {}
+/// Logs each change of the consumer's partitions: what an operator reads to see a failover.
+impl rdkafka::consumer::ConsumerContext for LagReporter {
+    fn post_rebalance(&self, _: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &rdkafka::consumer::Rebalance<'_>) {
+        use rdkafka::consumer::Rebalance;
+        let list = |tpl: &rdkafka::TopicPartitionList| {
+            let parts: Vec<String> = tpl
+                .elements()
+                .iter()
+                .map(|e| format!("{}[{}]", e.topic(), e.partition()))
+                .collect();
+            parts.join(" ")
+        };
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                tracing::info!(plugin = %self.plugin, partitions = %list(tpl), "partitions assigned")
+            }
+            Rebalance::Revoke(tpl) => {
+                tracing::info!(plugin = %self.plugin, partitions = %list(tpl), "partitions revoked")
+            }
+            Rebalance::Error(e) => tracing::warn!(plugin = %self.plugin, error = %e, "rebalance failed"),
+        }
+    }
+}
 
 fn millis(d: Duration) -> String {
     d.as_millis().to_string()

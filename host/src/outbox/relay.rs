@@ -195,16 +195,21 @@ enum Outcome {
     More,
     /// Nothing (more) to do: wait for a wake-up.
     Idle,
-    /// Some rows were refused or are still unacknowledged: wait before trying again.
+    /// Some rows were refused: wait before trying again.
     Backoff,
+    /// Some rows are still unacknowledged after a whole `ack_timeout`: wait for them again
+    /// at once, so that they are marked as soon as the broker answers (the wait itself paces
+    /// the loop; a backoff here would delay recovery from an outage by up to `backoff_max`).
+    Waiting,
 }
 
 struct State {
     conn: Option<PgConnection>,
     locks: Option<LockSpace>,
     producer: Option<FutureProducer>,
-    /// Sent rows whose delivery report has not arrived yet, by row id, with their shard.
-    inflight: HashMap<i64, (i32, DeliveryFuture)>,
+    /// Sent rows whose delivery report has not arrived yet, by row id: their shard, and
+    /// when they were sent.
+    inflight: HashMap<i64, (i32, Instant, DeliveryFuture)>,
     shards: BTreeSet<i32>,
     /// Topics seen to exist (or created): a new topic is checked once, before its first send.
     topics: HashSet<String>,
@@ -249,6 +254,7 @@ impl Relay {
                     (self.config.poll_interval, true)
                 }
                 Ok(Outcome::Backoff) => (next_backoff(&mut backoff, self.config.backoff_max), false),
+                Ok(Outcome::Waiting) => (self.config.backoff_initial, false),
                 Err(e) => {
                     tracing::warn!(error = format!("{e:#}"), "outbox relay step failed");
                     metrics::counter!("obx_relay_errors_total", "kind" => "step").increment(1);
@@ -294,6 +300,33 @@ impl Relay {
         tracing::info!("outbox relay stopped");
     }
 
+    /// Why the producer must be replaced, if it must: a fatal error, or acknowledgements
+    /// stalled past `stall_timeout` while the broker answers it (a producer can keep
+    /// waiting on a connection or a sequence state of before an outage long after the
+    /// broker is back).
+    async fn unfit_producer(&self, st: &State) -> Option<String> {
+        let producer = st.producer.as_ref()?;
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            return Some(format!("fatal error {code:?}: {reason}"));
+        }
+        let oldest = st.inflight.values().map(|(_, sent, _)| *sent).min()?;
+        if oldest.elapsed() < self.config.stall_timeout {
+            return None;
+        }
+        let probe = producer.clone();
+        let answers =
+            tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
+                .await
+                .unwrap_or(false);
+        answers.then(|| {
+            format!(
+                "{} rows unacknowledged for {:?} while the broker answers",
+                st.inflight.len(),
+                oldest.elapsed()
+            )
+        })
+    }
+
     async fn listen(&self) -> Option<PgListener> {
         let mut listener = PgListener::connect(&self.database_url).await.ok()?;
         listener.listen(NOTIFY_CHANNEL).await.ok()?;
@@ -312,10 +345,21 @@ impl Relay {
             st.locks = Some(locks);
             st.last_rebalance = None;
         }
+        if let Some(why) = self.unfit_producer(st).await {
+            tracing::warn!(why, "building a new Kafka producer");
+            metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
+            // The old producer's messages are gone with it (purged and its connections
+            // closed before the new one exists): their rows are claimed again below and
+            // sent again, in id order, so each key's order holds (duplicates on the
+            // broker are allowed: at least once).
+            let old = st.producer.take();
+            st.inflight.clear();
+            let _ = tokio::task::spawn_blocking(move || drop(old)).await;
+        }
         let conn = st.conn.as_mut().expect("connected above");
         let locks = st.locks.expect("loaded with the connection");
         if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
-            let busy: HashSet<i32> = st.inflight.values().map(|(shard, _)| *shard).collect();
+            let busy: HashSet<i32> = st.inflight.values().map(|(shard, _, _)| *shard).collect();
             rebalance(conn, locks, &mut st.shards, &busy).await?;
             self.owns_all
                 .store(st.shards.len() == SHARDS as usize, Ordering::Relaxed);
@@ -324,17 +368,6 @@ impl Relay {
         }
         if st.shards.is_empty() {
             return Ok(Outcome::Idle);
-        }
-        if let Some((code, reason)) = st.producer.as_ref().and_then(|p| p.client().fatal_error()) {
-            tracing::error!(
-                ?code,
-                reason,
-                "the Kafka producer hit a fatal error; building a new one"
-            );
-            metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
-            st.producer = None;
-            // The old producer's messages are gone with it: their rows are sent again.
-            st.inflight.clear();
         }
         if st.producer.is_none() {
             st.producer = Some(producer(&self.brokers, &self.kafka, self.config.linger_ms, None)?);
@@ -409,7 +442,7 @@ impl Relay {
             }
             match producer.send_result(row.record(topic, row.headers())) {
                 Ok(delivery) => {
-                    st.inflight.insert(row.id, (row.shard, delivery));
+                    st.inflight.insert(row.id, (row.shard, Instant::now(), delivery));
                     sent.push(row);
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
@@ -430,7 +463,7 @@ impl Relay {
         let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
         let mut pending = 0usize;
         for row in sent {
-            let Some((_, delivery)) = st.inflight.get_mut(&row.id) else {
+            let Some((_, _, delivery)) = st.inflight.get_mut(&row.id) else {
                 continue;
             };
             match tokio::time::timeout_at(deadline, delivery).await {
@@ -493,8 +526,10 @@ impl Relay {
                 self.config.ack_timeout
             );
         }
-        Ok(if !refused.is_empty() || pending > 0 {
+        Ok(if !refused.is_empty() {
             Outcome::Backoff
+        } else if pending > 0 {
+            Outcome::Waiting
         } else if rows.len() as u32 >= self.config.batch_size {
             Outcome::More
         } else {
