@@ -65,6 +65,10 @@ struct Args {
     /// Also write the report (Markdown) here.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// The short run (CI's, about 2 minutes): 5 kills and the broker outage; no Postgres
+    /// faults.
+    #[arg(long)]
+    short: bool,
 }
 
 /// One `obx serve` process slot.
@@ -262,6 +266,57 @@ async fn probe(world: &World, db: &PgPool, schema: &str, key: &str, since: Insta
     }
 }
 
+/// Partitions of the workload's topic (created with this many).
+const PARTITIONS: u32 = 8;
+
+/// One key per partition of the workload's topic, named `{prefix}-…`: the relay's producer
+/// puts a key in partition CRC-32(key) mod partitions (librdkafka's default partitioner).
+fn keys_of_every_partition(prefix: &str) -> Vec<String> {
+    let mut keys: Vec<Option<String>> = vec![None; PARTITIONS as usize];
+    for j in 0.. {
+        let key = format!("{prefix}-{j}");
+        let slot = &mut keys[(crc32(key.as_bytes()) % PARTITIONS) as usize];
+        if slot.is_none() {
+            *slot = Some(key);
+        }
+        if keys.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    keys.into_iter().flatten().collect()
+}
+
+/// CRC-32 (IEEE, as zlib and librdkafka compute it).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// [`probe`] on every key at once, one per partition: the recovery of the slowest, so that
+/// a fault that holds up some partitions shows in full, whichever key a client would use.
+async fn probe_all(world: &Arc<World>, db: &PgPool, schema: &str, keys: Vec<String>, since: Instant) -> Result<f64> {
+    let mut probes = tokio::task::JoinSet::new();
+    for key in keys {
+        let (world, db, schema) = (world.clone(), db.clone(), schema.to_string());
+        probes.spawn(async move { probe(&world, &db, &schema, &key, since).await });
+    }
+    let mut slowest = 0f64;
+    while let Some(done) = probes.join_next().await {
+        slowest = slowest.max(done??);
+    }
+    Ok(slowest)
+}
+
 /// Prints where the event of `key` is stuck: its outbox row, its dedup row, the dead-letter
 /// table, and the consumer group's committed offsets against the topic's end.
 async fn diagnose(world: &World, db: &PgPool, key: &str) {
@@ -341,7 +396,7 @@ async fn main() -> Result<()> {
     println!("starting Postgres, the broker and {} hosts", args.hosts);
     let mut pg = EmbeddedPostgres::start(&[("max_connections", "300")])?;
     let broker = MockBroker::start(1)?;
-    broker.create_topic(TOPIC, 8)?;
+    broker.create_topic(TOPIC, PARTITIONS as i32)?;
     broker.create_topic("testbed.inbox", 4)?;
     let plugin_dir = tempfile::tempdir()?;
     std::fs::copy(
@@ -390,14 +445,15 @@ async fn main() -> Result<()> {
 
     let mut recoveries = Vec::new();
     let mut probes = 0usize;
-    let mut next_probe_key = || {
+    let mut next_probe_keys = || {
         probes += 1;
-        format!("probe-{probes}")
+        keys_of_every_partition(&format!("probe-{probes}"))
     };
 
     // 1. SIGKILL a random host, many times; it is started again at once.
     let mut restart_times = Vec::new();
-    for i in 0..args.kills {
+    let kills = if args.short { 5 } else { args.kills };
+    for i in 0..kills {
         tokio::time::sleep(Duration::from_millis(1500 + fastrand::u64(..2500))).await;
         let slot = &mut slots[fastrand::usize(..args.hosts)];
         world.live.lock().unwrap().retain(|p| *p != slot.port);
@@ -409,7 +465,7 @@ async fn main() -> Result<()> {
         println!(
             "kill {}/{}: host {} at {:.1}s",
             i + 1,
-            args.kills,
+            kills,
             slot.index,
             started.elapsed().as_secs_f64()
         );
@@ -421,7 +477,7 @@ async fn main() -> Result<()> {
                 .as_secs_f64(),
         );
         world.live.lock().unwrap().push(slot.port);
-        let seconds = probe(&world, &db, &schema, &next_probe_key(), killed).await?;
+        let seconds = probe_all(&world, &db, &schema, next_probe_keys(), killed).await?;
         recoveries.push(Recovery {
             fault: "SIGKILL of a host",
             seconds,
@@ -436,55 +492,14 @@ async fn main() -> Result<()> {
     let up = Instant::now();
     recoveries.push(Recovery {
         fault: "broker down 8 s",
-        seconds: probe(&world, &db, &schema, &next_probe_key(), up).await?,
+        seconds: probe_all(&world, &db, &schema, next_probe_keys(), up).await?,
     });
 
-    // 3. Postgres restarts (fast shutdown: every session cut, open transactions rolled back).
-    println!("Postgres restart at {:.1}s", started.elapsed().as_secs_f64());
-    db.close().await;
-    let pg_restarted = tokio::task::block_in_place(|| pg.restart().map(|_| Instant::now()))?;
-    let db = connect(&world.database_url).await;
-    recoveries.push(Recovery {
-        fault: "Postgres restart",
-        seconds: probe(&world, &db, &schema, &next_probe_key(), pg_restarted).await?,
-    });
-
-    // 4. pg_terminate_backend on the hosts' busy sessions, five times.
-    println!("terminating backends at {:.1}s", started.elapsed().as_secs_f64());
-    let mut terminated = 0i64;
-    for _ in 0..5 {
-        terminated += sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE application_name LIKE 'obx%' AND state IN ('active', 'idle in transaction') \
-             AND pid <> pg_backend_pid()) t",
-        )
-        .fetch_one(&db)
-        .await?;
-        tokio::time::sleep(Duration::from_millis(700)).await;
-    }
-    let after_terminate = Instant::now();
-    recoveries.push(Recovery {
-        fault: "pg_terminate_backend ×5",
-        seconds: probe(&world, &db, &schema, &next_probe_key(), after_terminate).await?,
-    });
-
-    // 5. A transaction held open for 15 s: it has an xid (older than every later commit) and
-    //    holds the row lock of one key.
-    println!("long transaction at {:.1}s", started.elapsed().as_secs_f64());
-    let mut long = db.begin().await?;
-    sqlx::query("SELECT txid_current()").execute(&mut *long).await?;
-    sqlx::query(&format!(
-        "SELECT n FROM {schema}.counters WHERE name = 'seq:k0' FOR UPDATE"
-    ))
-    .execute(&mut *long)
-    .await?;
-    tokio::time::sleep(Duration::from_secs(15)).await;
-    long.commit().await?;
-    let released = Instant::now();
-    recoveries.push(Recovery {
-        fault: "transaction held 15 s",
-        seconds: probe(&world, &db, &schema, "k0", released).await?,
-    });
+    let (db, terminated) = if args.short {
+        (db, 0)
+    } else {
+        database_faults(&world, &mut pg, db, &schema, started, &mut recoveries).await?
+    };
 
     tokio::time::sleep(Duration::from_secs(3)).await;
     load.stop.store(true, Ordering::Relaxed);
@@ -538,6 +553,7 @@ async fn main() -> Result<()> {
     }
 
     let sent = load.sent.load(Ordering::Relaxed);
+    let pg_faults = if args.short { 0 } else { 1 };
     let mut by_fault: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in &recoveries {
         by_fault.entry(r.fault).or_default().push(r.seconds);
@@ -550,9 +566,9 @@ async fn main() -> Result<()> {
     };
     line(format!(
         "| figure | value |\n| --- | --- |\n\
-         | hosts | {} |\n| host kills (SIGKILL) | {} |\n| broker outages | 1 (8 s) |\n\
-         | Postgres restarts | 1 |\n| backends terminated (pg_terminate_backend) | {terminated} |\n\
-         | transactions held open | 1 (15 s) |\n\
+         | hosts | {} |\n| host kills (SIGKILL) | {kills} |\n| broker outages | 1 (8 s) |\n\
+         | Postgres restarts | {pg_faults} |\n| backends terminated (pg_terminate_backend) | {terminated} |\n\
+         | transactions held open | {pg_faults} (15 s) |\n\
          | commands sent | {sent} |\n| commands acknowledged | {} |\n\
          | commands that failed on purpose (must leave nothing) | {} |\n\
          | other commands refused or unanswered during faults | {} / {} |\n\
@@ -565,7 +581,6 @@ async fn main() -> Result<()> {
          | **phantoms** (outbox rows / broker messages of failed commands) | **{phantom_rows} / {phantom_messages}** |\n\
          | load phase | {load_seconds:.0} s |\n| drain after the load | {drain_seconds:.1} s |",
         args.hosts,
-        args.kills,
         acked.len(),
         failing.len(),
         load.refused.load(Ordering::Relaxed),
@@ -609,6 +624,80 @@ async fn main() -> Result<()> {
     }
     println!("all invariants held");
     Ok(())
+}
+
+/// Faults 3-5, of the database: Postgres restarts, the hosts' busy backends are terminated,
+/// a transaction is held open. Returns the suite's new pool (the restart closed the old one)
+/// and how many backends were terminated.
+async fn database_faults(
+    world: &Arc<World>,
+    pg: &mut EmbeddedPostgres,
+    db: PgPool,
+    schema: &str,
+    started: Instant,
+    recoveries: &mut Vec<Recovery>,
+) -> Result<(PgPool, i64)> {
+    // 3. Postgres restarts (fast shutdown: every session cut, open transactions rolled back).
+    println!("Postgres restart at {:.1}s", started.elapsed().as_secs_f64());
+    db.close().await;
+    let pg_restarted = tokio::task::block_in_place(|| pg.restart().map(|_| Instant::now()))?;
+    let db = connect(&world.database_url).await;
+    recoveries.push(Recovery {
+        fault: "Postgres restart",
+        seconds: probe_all(
+            world,
+            &db,
+            schema,
+            keys_of_every_partition("probe-pg-restart"),
+            pg_restarted,
+        )
+        .await?,
+    });
+
+    // 4. pg_terminate_backend on the hosts' busy sessions, five times.
+    println!("terminating backends at {:.1}s", started.elapsed().as_secs_f64());
+    let mut terminated = 0i64;
+    for _ in 0..5 {
+        terminated += sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name LIKE 'obx%' AND state IN ('active', 'idle in transaction') \
+             AND pid <> pg_backend_pid()) t",
+        )
+        .fetch_one(&db)
+        .await?;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    let after_terminate = Instant::now();
+    recoveries.push(Recovery {
+        fault: "pg_terminate_backend ×5",
+        seconds: probe_all(
+            world,
+            &db,
+            schema,
+            keys_of_every_partition("probe-terminate"),
+            after_terminate,
+        )
+        .await?,
+    });
+
+    // 5. A transaction held open for 15 s: it has an xid (older than every later commit) and
+    //    holds the row lock of one key.
+    println!("long transaction at {:.1}s", started.elapsed().as_secs_f64());
+    let mut long = db.begin().await?;
+    sqlx::query("SELECT txid_current()").execute(&mut *long).await?;
+    sqlx::query(&format!(
+        "SELECT n FROM {schema}.counters WHERE name = 'seq:k0' FOR UPDATE"
+    ))
+    .execute(&mut *long)
+    .await?;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    long.commit().await?;
+    let released = Instant::now();
+    recoveries.push(Recovery {
+        fault: "transaction held 15 s",
+        seconds: probe(world, &db, schema, "k0", released).await?,
+    });
+    Ok((db, terminated))
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -726,4 +815,34 @@ async fn read_topic(bootstrap: &str, at_least: usize) -> Result<OnBroker> {
         distinct: ids.len(),
         nonces,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    /// The probe keys land where the suite assumes: one in each partition, as the relay's
+    /// producer (librdkafka's default partitioner) places them.
+    #[tokio::test]
+    async fn probe_keys_cover_every_partition() {
+        let broker = MockBroker::start(1).unwrap();
+        broker.create_topic(TOPIC, PARTITIONS as i32).unwrap();
+        let producer: FutureProducer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", broker.bootstrap())
+            .create()
+            .unwrap();
+        let mut partitions = Vec::new();
+        for key in keys_of_every_partition("probe-7") {
+            let partition = producer
+                .send(FutureRecord::to(TOPIC).key(&key).payload("x"), Duration::from_secs(10))
+                .await
+                .unwrap()
+                .partition;
+            assert_eq!(partition as u32, crc32(key.as_bytes()) % PARTITIONS, "{key}");
+            partitions.push(partition);
+        }
+        partitions.sort();
+        assert_eq!(partitions, (0..PARTITIONS as i32).collect::<Vec<_>>());
+    }
 }

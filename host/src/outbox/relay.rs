@@ -23,7 +23,9 @@
 //! another plugin's) until it goes through. Producer messages never expire
 //! (`message.timeout.ms = 0`), so a key's messages cannot be reordered by a timeout; a row
 //! still unacknowledged at `ack_timeout` stays in flight, and a later step collects its
-//! report instead of sending it again. Shards are spread evenly over the live relays: each
+//! report instead of sending it again; a producer whose acknowledgements stall past
+//! `stall_timeout` while the broker answers a new client is replaced, and its rows go again
+//! in id order through the new one. Shards are spread evenly over the live relays: each
 //! relay also holds a membership lock, and rebalances to its fair share every second.
 //!
 //! **At least once.** A row is marked only after its acknowledgement. A relay that dies
@@ -300,31 +302,49 @@ impl Relay {
         tracing::info!("outbox relay stopped");
     }
 
-    /// Why the producer must be replaced, if it must: a fatal error, or acknowledgements
-    /// stalled past `stall_timeout` while the broker answers it (a producer can keep
-    /// waiting on a connection or a sequence state of before an outage long after the
-    /// broker is back).
-    async fn unfit_producer(&self, st: &State) -> Option<String> {
-        let producer = st.producer.as_ref()?;
-        if let Some((code, reason)) = producer.client().fatal_error() {
-            return Some(format!("fatal error {code:?}: {reason}"));
-        }
-        let oldest = st.inflight.values().map(|(_, sent, _)| *sent).min()?;
-        if oldest.elapsed() < self.config.stall_timeout {
-            return None;
-        }
-        let probe = producer.clone();
-        let answers =
-            tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
-                .await
-                .unwrap_or(false);
-        answers.then(|| {
+    /// Replaces the producer if it must be: after a fatal error, or when its
+    /// acknowledgements have stalled past `stall_timeout` while the broker answers a new
+    /// client (a producer can keep waiting on a connection or a sequence state from before
+    /// an outage long after the broker is back; it may not even answer a metadata request
+    /// itself). The old producer's messages are purged and its connections closed before
+    /// the new one sends anything, and its rows are claimed and sent again in id order, so
+    /// each key's order holds (second copies on the broker are allowed: at least once).
+    async fn replace_unfit_producer(&self, st: &mut State) -> Result<()> {
+        let Some(current) = st.producer.as_ref() else {
+            return Ok(());
+        };
+        let fatal = current.client().fatal_error();
+        let why = if let Some((code, reason)) = &fatal {
+            format!("fatal error {code:?}: {reason}")
+        } else {
+            let Some(oldest) = st.inflight.values().map(|(_, sent, _)| *sent).min() else {
+                return Ok(());
+            };
+            if oldest.elapsed() < self.config.stall_timeout {
+                return Ok(());
+            }
             format!(
                 "{} rows unacknowledged for {:?} while the broker answers",
                 st.inflight.len(),
                 oldest.elapsed()
             )
-        })
+        };
+        let fresh = producer(&self.brokers, &self.kafka, self.config.linger_ms, None)?;
+        let probe = fresh.clone();
+        let answers =
+            tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
+                .await
+                .unwrap_or(false);
+        if !answers && fatal.is_none() {
+            // The broker is still away: a new producer would wait as the old one does.
+            return Ok(());
+        }
+        tracing::warn!(why, "replacing the Kafka producer");
+        metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
+        let old = st.producer.replace(fresh);
+        st.inflight.clear();
+        let _ = tokio::task::spawn_blocking(move || drop(old)).await;
+        Ok(())
     }
 
     async fn listen(&self) -> Option<PgListener> {
@@ -345,17 +365,7 @@ impl Relay {
             st.locks = Some(locks);
             st.last_rebalance = None;
         }
-        if let Some(why) = self.unfit_producer(st).await {
-            tracing::warn!(why, "building a new Kafka producer");
-            metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
-            // The old producer's messages are gone with it (purged and its connections
-            // closed before the new one exists): their rows are claimed again below and
-            // sent again, in id order, so each key's order holds (duplicates on the
-            // broker are allowed: at least once).
-            let old = st.producer.take();
-            st.inflight.clear();
-            let _ = tokio::task::spawn_blocking(move || drop(old)).await;
-        }
+        self.replace_unfit_producer(st).await?;
         let conn = st.conn.as_mut().expect("connected above");
         let locks = st.locks.expect("loaded with the connection");
         if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
@@ -459,7 +469,18 @@ impl Relay {
 
         // Collect the delivery reports.
         let sent_at = started.elapsed();
-        let deadline = tokio::time::Instant::now() + self.config.ack_timeout;
+        // Rows stalled past `stall_timeout` are waited for a second at a time, so that the
+        // producer is checked (and replaced) soon after the broker is back.
+        let stalled = st
+            .inflight
+            .values()
+            .any(|(_, sent, _)| sent.elapsed() >= self.config.stall_timeout);
+        let wait = if stalled {
+            self.config.ack_timeout.min(Duration::from_secs(1))
+        } else {
+            self.config.ack_timeout
+        };
+        let deadline = tokio::time::Instant::now() + wait;
         let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
         let mut pending = 0usize;
         for row in sent {
@@ -522,8 +543,7 @@ impl Relay {
             metrics::counter!("obx_relay_errors_total", "kind" => "ack_timeout").increment(1);
             tracing::warn!(
                 pending,
-                "outbox rows still unacknowledged after {:?}; is the broker up?",
-                self.config.ack_timeout
+                "outbox rows still unacknowledged after {wait:?}; is the broker up?",
             );
         }
         Ok(if !refused.is_empty() {
