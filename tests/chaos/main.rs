@@ -28,7 +28,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use obx::db::embedded::EmbeddedPostgres;
+#[cfg(test)]
 use obx::kafka::MockBroker;
+
+mod broker;
+use broker::Broker;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use serde_json::{json, Value};
@@ -69,6 +73,14 @@ struct Args {
     /// faults.
     #[arg(long)]
     short: bool,
+    /// The broker: `mock` (librdkafka's mock cluster, in this process) or `tansu` (a
+    /// process; in-memory storage, so it is not taken down).
+    #[arg(long, default_value = "mock")]
+    broker: String,
+    /// Hosts join their consumer groups as static members (`consumer.instance_id` =
+    /// `host-<n>`), so a restarted host can take back its partitions without a rebalance.
+    #[arg(long)]
+    static_membership: bool,
 }
 
 /// One `obx serve` process slot.
@@ -98,6 +110,7 @@ struct World {
     http: reqwest::Client,
     /// Ports of hosts that are up, for the clients.
     live: Mutex<Vec<u16>>,
+    static_membership: bool,
 }
 
 impl World {
@@ -106,7 +119,11 @@ impl World {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("host-{}.log", slot.index)))?;
-        let child = Command::new(&self.obx)
+        let mut command = Command::new(&self.obx);
+        if self.static_membership {
+            command.env("OBX_CONSUMER__INSTANCE_ID", format!("host-{}", slot.index));
+        }
+        let child = command
             .arg("serve")
             .env_remove("OBX_CONFIG")
             .env("RUST_LOG", "info")
@@ -393,11 +410,15 @@ async fn main() -> Result<()> {
         );
     }
     let started = Instant::now();
-    println!("starting Postgres, the broker and {} hosts", args.hosts);
+    let broker = Broker::start(&args.broker)?;
+    println!(
+        "starting Postgres and {} hosts; the broker: {}",
+        args.hosts,
+        broker.name()
+    );
     let mut pg = EmbeddedPostgres::start(&[("max_connections", "300")])?;
-    let broker = MockBroker::start(1)?;
-    broker.create_topic(TOPIC, PARTITIONS as i32)?;
-    broker.create_topic("testbed.inbox", 4)?;
+    broker.create_topic(TOPIC, PARTITIONS as i32).await?;
+    broker.create_topic("testbed.inbox", 4).await?;
     let plugin_dir = tempfile::tempdir()?;
     std::fs::copy(
         args.plugins.join("testbed.wasm"),
@@ -415,6 +436,7 @@ async fn main() -> Result<()> {
         log_dir: log_dir.clone(),
         http: reqwest::Client::builder().pool_max_idle_per_host(0).build()?,
         live: Mutex::new(Vec::new()),
+        static_membership: args.static_membership,
     });
     let mut slots: Vec<HostSlot> = (0..args.hosts)
         .map(|index| HostSlot {
@@ -485,15 +507,18 @@ async fn main() -> Result<()> {
     }
 
     // 2. The broker goes down for 8 s.
-    println!("broker down at {:.1}s", started.elapsed().as_secs_f64());
-    broker.down(1)?;
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    broker.up(1)?;
-    let up = Instant::now();
-    recoveries.push(Recovery {
-        fault: "broker down 8 s",
-        seconds: probe_all(&world, &db, &schema, next_probe_keys(), up).await?,
-    });
+    println!("broker outage at {:.1}s", started.elapsed().as_secs_f64());
+    let outages = if broker.outage(Duration::from_secs(8)).await? {
+        let up = Instant::now();
+        recoveries.push(Recovery {
+            fault: "broker down 8 s",
+            seconds: probe_all(&world, &db, &schema, next_probe_keys(), up).await?,
+        });
+        1
+    } else {
+        println!("(this broker cannot come back with its data: no outage)");
+        0
+    };
 
     let (db, terminated) = if args.short {
         (db, 0)
@@ -566,7 +591,7 @@ async fn main() -> Result<()> {
     };
     line(format!(
         "| figure | value |\n| --- | --- |\n\
-         | hosts | {} |\n| host kills (SIGKILL) | {kills} |\n| broker outages | 1 (8 s) |\n\
+         | broker | {} |\n| hosts | {} |\n| host kills (SIGKILL) | {kills} |\n| broker outages | {outages} (8 s) |\n\
          | Postgres restarts | {pg_faults} |\n| backends terminated (pg_terminate_backend) | {terminated} |\n\
          | transactions held open | {pg_faults} (15 s) |\n\
          | commands sent | {sent} |\n| commands acknowledged | {} |\n\
@@ -580,6 +605,7 @@ async fn main() -> Result<()> {
          | **per-key order violations** | **{}** |\n\
          | **phantoms** (outbox rows / broker messages of failed commands) | **{phantom_rows} / {phantom_messages}** |\n\
          | load phase | {load_seconds:.0} s |\n| drain after the load | {drain_seconds:.1} s |",
+        broker.name(),
         args.hosts,
         acked.len(),
         failing.len(),

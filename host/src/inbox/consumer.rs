@@ -217,6 +217,10 @@ impl Consumer {
             .set("session.timeout.ms", millis(self.config.session_timeout))
             .set("heartbeat.interval.ms", millis(self.config.heartbeat_interval))
             .set("partition.assignment.strategy", &self.config.assignor)
+            // After an outage, reconnect within a second of the broker's return, not
+            // librdkafka's 10 s backoff ceiling (the relay's producer does the same).
+            .set("reconnect.backoff.ms", "50")
+            .set("reconnect.backoff.max.ms", "1000")
             // librdkafka reports each partition's lag with its statistics.
             .set("statistics.interval.ms", "5000")
             .set("fetch.wait.max.ms", "50");
