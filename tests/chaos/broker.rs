@@ -1,6 +1,7 @@
 //! The suite's Kafka-protocol broker: librdkafka's mock cluster in this process, or a tansu
 //! process of its own.
 
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -11,31 +12,69 @@ use rdkafka::client::DefaultClientContext;
 
 pub enum Broker {
     Mock(MockBroker),
-    /// tansu with in-memory storage: a restart would lose every topic, so the suite does
-    /// not take it down.
-    Tansu {
-        child: Child,
-        bootstrap: String,
-    },
+    Tansu(Tansu),
+}
+
+/// A tansu process. With SQLite storage (a tansu built with the `libsql` feature) it keeps
+/// its topics, messages and offsets across a restart, so the suite can SIGKILL it and start
+/// it again; with in-memory storage it would come back empty, so it is not taken down.
+pub struct Tansu {
+    binary: PathBuf,
+    sqlite: bool,
+    /// The working directory, where SQLite storage keeps its file.
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Tansu {
+    fn spawn(&mut self) -> Result<()> {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let storage = if self.sqlite {
+            "sqlite://tansu.db"
+        } else {
+            "memory://tansu/"
+        };
+        let child = Command::new(&self.binary)
+            .current_dir(self.dir.path())
+            .args(["broker", "--storage-engine", storage])
+            .args(["--listener-url", &url, "--advertised-listener-url", &url])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", self.binary.display()))?;
+        self.child = Some(child);
+        wait_for_port(self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill(); // SIGKILL
+            let _ = child.wait();
+        }
+    }
 }
 
 impl Broker {
-    pub fn start(kind: &str) -> Result<Broker> {
+    /// `kind` is `mock` or `tansu`; `storage` (tansu only) `memory` or `sqlite`.
+    pub fn start(kind: &str, binary: PathBuf, storage: &str) -> Result<Broker> {
         match kind {
             "mock" => Ok(Broker::Mock(MockBroker::start(1)?)),
             "tansu" => {
-                let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-                let url = format!("tcp://127.0.0.1:{port}");
-                let child = Command::new("tansu")
-                    .args(["broker", "--storage-engine", "memory://tansu/"])
-                    .args(["--listener-url", &url, "--advertised-listener-url", &url])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .context("starting tansu (installed by `cargo xtask test`)")?;
-                let bootstrap = format!("127.0.0.1:{port}");
-                wait_for_port(port)?;
-                Ok(Broker::Tansu { child, bootstrap })
+                let sqlite = match storage {
+                    "memory" => false,
+                    "sqlite" => true,
+                    other => bail!("unknown tansu storage {other:?}: memory or sqlite"),
+                };
+                let mut tansu = Tansu {
+                    binary,
+                    sqlite,
+                    dir: tempfile::tempdir()?,
+                    port: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+                    child: None,
+                };
+                tansu.spawn()?;
+                Ok(Broker::Tansu(tansu))
             }
             other => bail!("unknown broker {other:?}: mock or tansu"),
         }
@@ -44,14 +83,15 @@ impl Broker {
     pub fn name(&self) -> &'static str {
         match self {
             Broker::Mock(_) => "librdkafka's mock cluster",
-            Broker::Tansu { .. } => "tansu 0.6 (memory storage)",
+            Broker::Tansu(t) if t.sqlite => "tansu 0.6 (SQLite storage)",
+            Broker::Tansu(_) => "tansu 0.6 (memory storage)",
         }
     }
 
     pub fn bootstrap(&self) -> String {
         match self {
             Broker::Mock(m) => m.bootstrap(),
-            Broker::Tansu { bootstrap, .. } => bootstrap.clone(),
+            Broker::Tansu(t) => format!("127.0.0.1:{}", t.port),
         }
     }
 
@@ -69,23 +109,39 @@ impl Broker {
         Ok(())
     }
 
-    /// Takes the broker away for `length`, if this broker can come back with its data.
-    pub async fn outage(&self, length: Duration) -> Result<bool> {
-        let Broker::Mock(m) = self else {
-            return Ok(false);
-        };
-        m.down(1)?;
-        tokio::time::sleep(length).await;
-        m.up(1)?;
+    /// What [`Broker::outage`] does to this broker, for the report; `None` if it cannot.
+    pub fn outage_name(&self) -> Option<&'static str> {
+        match self {
+            Broker::Mock(_) => Some("broker down 8 s"),
+            Broker::Tansu(t) if t.sqlite => Some("broker process SIGKILLed, restarted 8 s later"),
+            Broker::Tansu(_) => None,
+        }
+    }
+
+    /// Takes the broker away for `length` and brings it back, if it can come back with its
+    /// data. Returns when it accepts connections again.
+    pub async fn outage(&mut self, length: Duration) -> Result<bool> {
+        match self {
+            Broker::Mock(m) => {
+                m.down(1)?;
+                tokio::time::sleep(length).await;
+                m.up(1)?;
+            }
+            Broker::Tansu(t) if t.sqlite => {
+                t.kill();
+                tokio::time::sleep(length).await;
+                tokio::task::block_in_place(|| t.spawn())?;
+            }
+            Broker::Tansu(_) => return Ok(false),
+        }
         Ok(true)
     }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        if let Broker::Tansu { child, .. } = self {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Broker::Tansu(t) = self {
+            t.kill();
         }
     }
 }

@@ -77,6 +77,13 @@ struct Args {
     /// process; in-memory storage, so it is not taken down).
     #[arg(long, default_value = "mock")]
     broker: String,
+    /// tansu's storage: `memory`, or `sqlite` (kept across a restart, so the suite SIGKILLs
+    /// the broker process and starts it again; needs tansu built with `--features libsql`).
+    #[arg(long, default_value = "memory")]
+    tansu_storage: String,
+    /// The tansu binary.
+    #[arg(long, default_value = "tansu")]
+    tansu: PathBuf,
     /// Hosts join their consumer groups as static members (`consumer.instance_id` =
     /// `host-<n>`), so a restarted host can take back its partitions without a rebalance.
     #[arg(long)]
@@ -410,7 +417,7 @@ async fn main() -> Result<()> {
         );
     }
     let started = Instant::now();
-    let broker = Broker::start(&args.broker)?;
+    let mut broker = Broker::start(&args.broker, args.tansu.clone(), &args.tansu_storage)?;
     println!(
         "starting Postgres and {} hosts; the broker: {}",
         args.hosts,
@@ -506,18 +513,22 @@ async fn main() -> Result<()> {
         });
     }
 
-    // 2. The broker goes down for 8 s.
-    println!("broker outage at {:.1}s", started.elapsed().as_secs_f64());
-    let outages = if broker.outage(Duration::from_secs(8)).await? {
-        let up = Instant::now();
-        recoveries.push(Recovery {
-            fault: "broker down 8 s",
-            seconds: probe_all(&world, &db, &schema, next_probe_keys(), up).await?,
-        });
-        1
-    } else {
-        println!("(this broker cannot come back with its data: no outage)");
-        0
+    // 2. The broker goes away for 8 s: down (the mock cluster), or its process killed.
+    let outages = match broker.outage_name() {
+        Some(fault) => {
+            println!("{fault} at {:.1}s", started.elapsed().as_secs_f64());
+            broker.outage(Duration::from_secs(8)).await?;
+            let up = Instant::now();
+            recoveries.push(Recovery {
+                fault,
+                seconds: probe_all(&world, &db, &schema, next_probe_keys(), up).await?,
+            });
+            1
+        }
+        None => {
+            println!("(this broker cannot come back with its data: no outage)");
+            0
+        }
     };
 
     let (db, terminated) = if args.short {

@@ -101,9 +101,16 @@ fn main() -> Result<()> {
             };
             run_release_tool(&root, &plugins, "obx-bench", &args)
         }
-        Task::Chaos { args } => {
+        Task::Chaos { mut args } => {
             ensure_postgres()?;
             let plugins = build_plugins(&root)?;
+            if args.iter().any(|a| a == "tansu" || a == "--broker=tansu")
+                && !args.iter().any(|a| a.starts_with("--tansu=") || a == "--tansu")
+            {
+                // A tansu that can keep its data in SQLite, so that the suite can restart it.
+                let tansu = ensure_tansu_with_sqlite()?;
+                args.extend(["--tansu".to_string(), tansu.display().to_string()]);
+            }
             run_release_tool(&root, &plugins, "obx-chaos", &args)
         }
         Task::Run { release, args } => {
@@ -236,6 +243,29 @@ fn ensure_tansu() -> Result<()> {
     }
     eprintln!("installing tansu (cargo install, about 11 minutes on 2 cores; once)");
     run(cargo().args(["install", "tansu", "--locked", "--features", "dynostore,postgres"]))
+}
+
+/// tansu built with SQLite storage as well (the `libsql` feature), installed once into
+/// `~/.cache/obx/tansu-sqlite`, apart from the `tansu` on the PATH.
+fn ensure_tansu_with_sqlite() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").context("HOME is not set")?;
+    let root = PathBuf::from(home).join(".cache/obx/tansu-sqlite");
+    let binary = root.join("bin/tansu");
+    if binary.exists() {
+        return Ok(binary);
+    }
+    eprintln!("installing tansu with SQLite storage (cargo install, about 15 minutes on 2 cores; once)");
+    run(cargo()
+        .args([
+            "install",
+            "tansu",
+            "--locked",
+            "--features",
+            "dynostore,postgres,libsql",
+            "--root",
+        ])
+        .arg(&root))?;
+    Ok(binary)
 }
 
 fn wait_for_port(port: u16) -> Result<()> {
