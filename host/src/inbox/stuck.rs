@@ -63,16 +63,21 @@ pub fn behind<C: Consumer<X>, X: rdkafka::consumer::ConsumerContext>(consumer: &
         Offset::Offset(n) => Some(n),
         _ => None,
     };
-    assignment.elements().iter().any(|e| {
+    for e in assignment.elements() {
         let (topic, partition) = (e.topic(), e.partition());
+        // The first question the broker does not answer ends the check: asking about every
+        // partition of an unreachable broker would hold the consumer's loop for minutes.
         let Ok((low, high)) = consumer.fetch_watermarks(topic, partition, ASK_TIMEOUT) else {
             return false;
         };
         let at = offset_in(&positions, topic, partition)
             .max(offset_in(&committed, topic, partition))
             .unwrap_or(low);
-        high > at
-    })
+        if high > at {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
