@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use obx_tests::{
-    broker, eventually, producer, send_event, send_event_with_id, send_raw, spawn_host, spawn_host_on, spawn_host_with,
-    TestBroker, TestHost,
+    broker, eventually, metric_value, producer, send_event, send_event_with_id, send_raw, spawn_host, spawn_host_on,
+    spawn_host_with, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -261,13 +261,7 @@ async fn host_process_to_kill() {
 
 /// Rejoins of the consumer of `plugin` in this process.
 fn rejoins(plugin: &str) -> f64 {
-    let needle = format!("obx_consumer_rejoins_total{{plugin=\"{plugin}\"}} ");
-    obx::telemetry::metrics()
-        .render()
-        .lines()
-        .find_map(|l| l.strip_prefix(&needle))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    metric_value(&format!("obx_consumer_rejoins_total{{plugin=\"{plugin}\"}}"))
 }
 
 #[tokio::test]
@@ -686,13 +680,9 @@ async fn an_event_handler_emits_follow_ups_through_the_outbox() {
 
 /// Failed handler attempts of a plugin's events so far, from the host's metrics.
 fn failed_attempts(plugin: &str) -> f64 {
-    let needle = format!("obx_events_handled_total{{outcome=\"failed\",plugin=\"{plugin}\"}} ");
-    obx::telemetry::metrics()
-        .render()
-        .lines()
-        .find_map(|l| l.strip_prefix(&needle))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    metric_value(&format!(
+        "obx_events_handled_total{{outcome=\"failed\",plugin=\"{plugin}\"}}"
+    ))
 }
 
 #[tokio::test]

@@ -335,6 +335,18 @@ pub async fn consume(bootstrap: &str, topic: &str, count: usize, timeout: Durati
     out
 }
 
+/// The value of one series of this process's metrics, written as the exposition format
+/// writes it (`name{label="…"}`, or `name` alone); 0 while it has not been recorded.
+pub fn metric_value(series: &str) -> f64 {
+    let needle = format!("{series} ");
+    obx::telemetry::metrics()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&needle))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Waits until `check` holds, polling, or panics after `timeout`.
 pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
 where
