@@ -240,7 +240,113 @@ async fn a_host_killed_with_sigkill_after_its_batches_commit_and_before_its_offs
     next.shutdown().await;
 }
 
-/// The host process that the SIGKILL test above starts and kills; it runs only as that
+/// The lease sessions (of this test's database) that hold a partition beside their group
+/// membership.
+const LEASE_HOLDERS: &str = "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+    WHERE a.application_name = 'obx-consumer-leases' AND a.datname = current_database() \
+      AND l.locktype = 'advisory' AND l.granted GROUP BY l.pid HAVING count(*) >= 2";
+
+/// A host whose lease sessions end while it lives (here, each one as soon as it begins, for
+/// 2 s, while the other host takes every partition) finds its partitions leased by the
+/// other: it starts over with a new client, gets its share back, and consumes it. The
+/// stuck check, which would rescue a client that stopped fetching, is off.
+#[tokio::test]
+async fn a_host_whose_lease_session_ended_while_it_lived_starts_over_and_consumes_its_share() {
+    let broker = broker();
+    let with = |c: &mut obx::config::Config| {
+        broker.configure(c);
+        c.consumer.stuck_after = Duration::ZERO;
+    };
+    let a = spawn_host_with(&["testbed"], with).await;
+    let topic = a.topic(DEDUP);
+    let holders = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
+    eventually(Duration::from_secs(30), "A leases partitions", || async {
+        a.count(&holders).await == 1
+    })
+    .await;
+    let a_pid = a
+        .count(&format!("SELECT min(pid)::bigint FROM ({LEASE_HOLDERS}) s"))
+        .await;
+    let b = spawn_host_on(&a.database_url, &["testbed"], with).await;
+    eventually(Duration::from_secs(30), "both hosts lease partitions", || async {
+        a.count(&holders).await == 2
+    })
+    .await;
+    let end_b = format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = 'obx-consumer-leases' AND datname = current_database() AND pid <> {a_pid}"
+    );
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        a.count(&end_b).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eventually(Duration::from_secs(30), "both hosts lease partitions again", || async {
+        a.count(&holders).await == 2
+    })
+    .await;
+    let p = producer(&broker.bootstrap);
+    for i in 0..40 {
+        send_event(&p, &topic, &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
+    }
+    eventually(Duration::from_secs(20), "40 effects", || async {
+        total_effects(&a).await == 40
+    })
+    .await;
+    assert_each_effect_once(&a, 40).await;
+    assert_eq!(key_disorder(&a).await, 0);
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+/// A SIGKILLed host's partitions move to the survivor through their leases: Postgres ends
+/// the dead host's lease session with its process. Both hosts' group sessions last 60 s, so
+/// under the broker's group coordinator every event sent after the kill to one of the dead
+/// host's partitions would wait a minute; here all of them take effect within 20 s.
+#[tokio::test]
+async fn a_sigkilled_hosts_partitions_move_to_the_survivor_without_waiting_for_a_group_session() {
+    let broker = broker();
+    let (setup, topic) = not_consuming(&broker, DEDUP).await;
+    let process = HostProcess(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "host_process_to_kill", "--ignored", "--test-threads=1"])
+            .env("OBX_CHILD_DATABASE_URL", &setup.database_url)
+            .env("OBX_CHILD_BROKERS", &broker.bootstrap)
+            .env("OBX_CHILD_MOCK_BROKER", if broker.mock.is_some() { "1" } else { "0" })
+            .env("OBX_CHILD_SESSION_TIMEOUT_S", "60")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting the host process"),
+    );
+    let survivor = next_host(&broker, setup, |c| {
+        c.consumer.session_timeout = Duration::from_secs(60);
+        c.consumer.heartbeat_interval = Duration::from_secs(1);
+    })
+    .await;
+    // Two lease sessions, each holding a partition beside its group membership.
+    let sharing = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
+    eventually(Duration::from_secs(30), "both hosts lease partitions", || async {
+        survivor.count(&sharing).await == 2
+    })
+    .await;
+    drop(process);
+    let p = producer(&broker.bootstrap);
+    let sent = std::time::Instant::now();
+    for i in 0..40 {
+        send_event(&p, &topic, &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
+    }
+    eventually(Duration::from_secs(20), "40 effects after the kill", || async {
+        total_effects(&survivor).await == 40
+    })
+    .await;
+    eprintln!("every partition handled {:?} after the first send", sent.elapsed());
+    assert_each_effect_once(&survivor, 40).await;
+    assert_eq!(key_disorder(&survivor).await, 0);
+    survivor.shutdown().await;
+}
+
+/// The host process that the SIGKILL tests start and kills; it runs only as that
 /// test's child. Its consumer stores offsets after each commit, but commits them to Kafka
 /// only every ten minutes: the kill comes after the database commits and before any offset
 /// reaches the broker.
@@ -255,6 +361,10 @@ async fn host_process_to_kill() {
     config.kafka.brokers = std::env::var("OBX_CHILD_BROKERS").unwrap();
     config.kafka.create_topics = std::env::var("OBX_CHILD_MOCK_BROKER").as_deref() != Ok("1");
     config.consumer.auto_commit_interval_ms = 600_000;
+    if let Ok(seconds) = std::env::var("OBX_CHILD_SESSION_TIMEOUT_S") {
+        config.consumer.session_timeout = Duration::from_secs(seconds.parse().unwrap());
+        config.consumer.heartbeat_interval = Duration::from_secs(1);
+    }
     let _host = obx::app::start(config).await.expect("starting the host");
     std::future::pending::<()>().await;
 }

@@ -76,6 +76,14 @@ pub struct ConsumerConfig {
     pub inbox_poll_interval: Duration,
     /// librdkafka `auto.commit.interval.ms`: how often stored offsets are committed.
     pub auto_commit_interval_ms: u32,
+    /// Who decides which host consumes which partition. `leases` (the default): the hosts
+    /// lease partitions from each other in Postgres, which notices a killed host at once
+    /// (its sessions end with its process), so its partitions move within about a second;
+    /// offsets are still committed to the group on the broker. `group`: the broker's group
+    /// coordinator (Kafka's `subscribe`), which notices a dead member only after
+    /// `session_timeout`. The settings below, up to `instance_id`, apply to `group` only.
+    /// The hosts of a service must agree: change it with all of them stopped.
+    pub assignment: Assignment,
     /// How long the group waits for a silent member (a killed host) before its partitions
     /// go to the others: Kafka's `session.timeout.ms`. Brokers refuse values below their
     /// `group.min.session.timeout.ms` (6 s unless changed).
@@ -103,6 +111,14 @@ pub struct ConsumerConfig {
     pub stuck_after: Duration,
 }
 
+/// See [`ConsumerConfig::assignment`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Assignment {
+    Leases,
+    Group,
+}
+
 impl Default for ConsumerConfig {
     fn default() -> Self {
         ConsumerConfig {
@@ -117,6 +133,7 @@ impl Default for ConsumerConfig {
             inbox_processors: 4,
             inbox_poll_interval: Duration::from_millis(500),
             auto_commit_interval_ms: 1000,
+            assignment: Assignment::Leases,
             session_timeout: Duration::from_secs(6),
             heartbeat_interval: Duration::from_millis(500),
             assignor: "cooperative-sticky".into(),
@@ -890,6 +907,11 @@ mod tests {
                 "heartbeat not below the session",
                 "[consumer]\nsession_timeout = \"3s\"\nheartbeat_interval = \"2s\"",
                 "consumer.heartbeat_interval",
+            ),
+            (
+                "unknown assignment",
+                "[consumer]\nassignment = \"broker\"",
+                "consumer.assignment",
             ),
             (
                 "unknown assignor",

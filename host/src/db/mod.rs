@@ -9,6 +9,7 @@
 //!   sessions ([`sessions`]).
 
 pub mod embedded;
+pub mod locks;
 pub mod login;
 pub mod plugin_schema;
 pub mod scram;

@@ -1,5 +1,6 @@
-//! The Kafka consumer of one plugin: group `<service>.<plugin>`, subscribed to the topics of
-//! the plugin's manifest.
+//! The Kafka consumer of one plugin: group `<service>.<plugin>`, reading the topics of the
+//! plugin's manifest, on the partitions it leases ([`Leased`], the default) or that the
+//! group's coordinator gives it (`consumer.assignment = "group"`).
 //!
 //! Messages are spread over `consumer.lanes` lanes by partition; a lane handles its messages
 //! one at a time, so each partition (and so each key) stays in order, while partitions
@@ -21,9 +22,10 @@ use uuid::Uuid;
 const IN_FLIGHT_KIB: usize = 64 * 1024;
 
 use super::handling::{self, Failure, Job, Ran};
+use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
 use super::{backoff, Incoming};
-use crate::config::{ConsumerConfig, KafkaConfig};
+use crate::config::{Assignment, ConsumerConfig, KafkaConfig};
 use crate::dispatch::Dispatcher;
 use crate::kafka::Brokers;
 use crate::runtime::manifest::DeliveryMode;
@@ -43,6 +45,10 @@ pub struct Consumer {
     pub inbox: Signal,
     pub shutdown: watch::Receiver<bool>,
 }
+
+/// What a queued message holds while it is in a lane: its bytes of the in-flight budget,
+/// and (under leases) its place in its partition's count.
+type Hold = (OwnedSemaphorePermit, Option<Tracked>);
 
 /// What the lane does with the offset of a message it finished.
 enum Done {
@@ -68,6 +74,11 @@ enum Ended {
     Shutdown,
     /// Partitions with messages to consume, and no progress for this long.
     Stuck(Duration),
+    /// Another host leased partitions of this one while its lease session was gone. The
+    /// consumer starts over with a new client on the partitions it still holds (librdkafka
+    /// stopped fetching every partition of a client that unassigned some without a final
+    /// commit, in the fault suite).
+    Lost,
     /// The consumer could not be created or subscribed (logged).
     Failed,
 }
@@ -91,22 +102,31 @@ impl Consumer {
         if self.kafka.create_topics {
             crate::kafka::ensure_topics(&self.brokers, &self.kafka, &topics).await;
         }
+        let mut leased = (self.config.assignment == Assignment::Leases).then(|| {
+            let options = self.dispatcher.pool.connect_options().as_ref().clone();
+            Leased::new(&self.plugin, &self.group, options, &topics)
+        });
         loop {
-            match self.membership(&topics).await {
-                Ended::Shutdown | Ended::Failed => return,
+            match self.membership(&topics, leased.as_mut()).await {
+                Ended::Shutdown | Ended::Failed => break,
+                Ended::Lost => {}
                 Ended::Stuck(idle) => {
                     tracing::warn!(plugin = %self.plugin, group = %self.group, idle_ms = idle.as_millis() as u64,
                         "the consumer holds partitions with messages to consume and has made no progress: \
-                         leaving the group and joining it again");
+                         starting over with a new client");
                     metrics::counter!("obx_consumer_rejoins_total", "plugin" => self.plugin.clone()).increment(1);
                 }
             }
+        }
+        // After the final offset commit: the partitions' next owners start from it.
+        if let Some(leased) = leased {
+            leased.close().await;
         }
     }
 
     /// One membership of the group: joins it, consumes until shutdown or until stuck, then
     /// finishes what its lanes hold, commits their offsets and leaves.
-    async fn membership(&mut self, topics: &[String]) -> Ended {
+    async fn membership(&mut self, topics: &[String], mut leased: Option<&mut Leased>) -> Ended {
         let consumer = match self.create() {
             Ok(c) => Arc::new(c),
             Err(e) => {
@@ -114,12 +134,19 @@ impl Consumer {
                 return Ended::Failed;
             }
         };
-        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-        if let Err(e) = consumer.subscribe(&names) {
-            tracing::error!(plugin = %self.plugin, error = %e, "cannot subscribe");
-            return Ended::Failed;
+        match leased.as_deref_mut() {
+            Some(leased) => leased.resume(&*consumer),
+            None => {
+                let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+                if let Err(e) = consumer.subscribe(&names) {
+                    tracing::error!(plugin = %self.plugin, error = %e, "cannot subscribe");
+                    return Ended::Failed;
+                }
+            }
         }
-        tracing::info!(plugin = %self.plugin, group = %self.group, ?topics, "consuming");
+        let mut lease_step = tokio::time::interval(leased::STEP_EVERY);
+        lease_step.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tracing::info!(plugin = %self.plugin, group = %self.group, ?topics, assignment = ?self.config.assignment, "consuming");
 
         // Lanes take their messages from unbounded queues, so that a busy partition never
         // holds up the others; what bounds memory is a budget of bytes in flight.
@@ -128,7 +155,7 @@ impl Consumer {
         let mut lanes = Vec::new();
         let mut senders = Vec::new();
         for _ in 0..self.config.lanes.max(1) {
-            let (tx, rx) = mpsc::unbounded_channel::<(OwnedMessage, OwnedSemaphorePermit)>();
+            let (tx, rx) = mpsc::unbounded_channel::<(OwnedMessage, Hold)>();
             let lane = Lane {
                 plugin: self.plugin.clone(),
                 topic_prefix: self.kafka.topic_prefix.clone(),
@@ -148,6 +175,12 @@ impl Consumer {
             let message = tokio::select! {
                 m = consumer.recv() => m,
                 _ = self.shutdown.changed() => break Ended::Shutdown,
+                _ = lease_step.tick(), if leased.is_some() => {
+                    if leased.as_deref_mut().expect("guarded").step(&consumer).await {
+                        continue;
+                    }
+                    break Ended::Lost;
+                }
                 _ = check.tick(), if !stuck_after.is_zero() => {
                     // Only with nothing in the lanes: a lane at work is progress to come.
                     let Some(idle) = progress.idle_beyond(stuck_after) else { continue };
@@ -166,13 +199,19 @@ impl Consumer {
             match message {
                 Ok(m) => {
                     progress.advanced();
+                    let tracked = match leased.as_deref() {
+                        // Not (or no longer) this consumer's: the partition's owner reads it.
+                        Some(l) if !l.takes(m.topic(), m.partition()) => continue,
+                        Some(l) => Some(l.track(m.topic(), m.partition())),
+                        None => None,
+                    };
                     let kib = (m.payload_len() / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
                     let permit = tokio::select! {
                         p = budget.clone().acquire_many_owned(kib) => p.expect("never closed"),
                         _ = self.shutdown.changed() => break Ended::Shutdown,
                     };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
-                    if senders[lane].send((m.detach(), permit)).is_err() {
+                    if senders[lane].send((m.detach(), (permit, tracked))).is_err() {
                         break Ended::Shutdown;
                     }
                 }
@@ -221,6 +260,12 @@ impl Consumer {
             // librdkafka's 10 s backoff ceiling (the relay's producer does the same).
             .set("reconnect.backoff.ms", "50")
             .set("reconnect.backoff.max.ms", "1000")
+            // A request unanswered for 5 s closes its connection, and the next one opens a
+            // new connection: a connection the broker stopped answering without closing it
+            // (a broker that restarted behind a half-open connection, a network partition)
+            // would otherwise hold the partitions for librdkafka's default of 60 s. A
+            // consumer's requests are short: fetches wait 50 ms at the most.
+            .set("socket.timeout.ms", "5000")
             // librdkafka reports each partition's lag with its statistics.
             .set("statistics.interval.ms", "5000")
             .set("fetch.wait.max.ms", "50");
@@ -291,7 +336,7 @@ fn millis(d: Duration) -> String {
 impl Lane {
     async fn run(
         self,
-        mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
+        mut rx: mpsc::UnboundedReceiver<(OwnedMessage, Hold)>,
         consumer: Arc<StreamConsumer<LagReporter>>,
         progress: Arc<Progress>,
     ) {
@@ -538,6 +583,7 @@ impl Lane {
     async fn handle_dedup(&self, event: &Incoming, first_failure: Option<Failure>) -> Done {
         let started = std::time::Instant::now();
         let mut attempt = 1;
+        let mut db_errors = 0;
         if let Some(failure) = first_failure {
             match self
                 .after_failure(event, attempt, &failure.error, failure.retriable)
@@ -607,8 +653,8 @@ impl Lane {
                 }
                 Err(e) => {
                     // The database, not the handler: wait for it, without using up attempts.
-                    tracing::warn!(plugin = %self.plugin, error = %e, "database error while consuming; retrying");
-                    if self.pause(self.config.backoff_max).await {
+                    db_errors += 1;
+                    if self.pause_after_db_error(&e, db_errors).await {
                         return Done::Stopped;
                     }
                 }
@@ -632,6 +678,7 @@ impl Lane {
 
     /// Runs a database step until it succeeds, or shutdown.
     async fn retry_db(&self, step: DbStep<'_>) -> Done {
+        let mut db_errors = 0;
         loop {
             let result = async {
                 let mut conn = self.pool().acquire().await?;
@@ -645,13 +692,23 @@ impl Lane {
             match result {
                 Ok(()) => return Done::Settled,
                 Err(e) => {
-                    tracing::warn!(plugin = %self.plugin, error = %e, "database error while consuming; retrying");
-                    if self.pause(self.config.backoff_max).await {
+                    db_errors += 1;
+                    if self.pause_after_db_error(&e, db_errors).await {
                         return Done::Stopped;
                     }
                 }
             }
         }
+    }
+
+    /// Logs the `n`th database error in a row of one message, and waits before the next
+    /// try: `backoff_initial` first (a connection that a restart or a terminated backend
+    /// broke is usually replaced at once), doubling up to `backoff_max`. Returns true if
+    /// shutdown began meanwhile.
+    async fn pause_after_db_error(&self, error: &(dyn std::fmt::Display + Sync), n: u32) -> bool {
+        tracing::warn!(plugin = %self.plugin, error = %error, "database error while consuming; retrying");
+        self.pause(backoff(self.config.backoff_initial, self.config.backoff_max, n))
+            .await
     }
 
     /// Sleeps; returns true if shutdown began meanwhile.

@@ -1,6 +1,7 @@
 //! Event consumption (R-DIST-OBX-2): each event's handler takes effect once.
 //!
-//! * [`consumer`] — one Kafka consumer group per plugin (`<service>.<plugin>`). In dedup mode
+//! * [`consumer`] — one Kafka consumer per plugin, committing as group `<service>.<plugin>`,
+//!   its partitions leased in Postgres (`lease`, `leased`) or given by the group. In dedup mode
 //!   (the default) it runs the handler in a transaction that first inserts
 //!   `(consumer, event_id)` into `processed_event`; in inbox mode it only stores the event in
 //!   `inbox_event`. Either way the offset is stored after the commit, never before.
@@ -23,6 +24,8 @@
 pub mod consumer;
 pub mod dlq;
 mod handling;
+mod lease;
+mod leased;
 pub mod processor;
 mod stuck;
 pub mod supervisor;

@@ -51,36 +51,17 @@ use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
 use crate::config::{KafkaConfig, RelayConfig};
+use crate::db::locks::LockSpace;
 use crate::kafka::Brokers;
 
 /// Relay shards; `obx.outbox_shard` computes the same modulus.
 pub const SHARDS: i32 = 64;
 
-/// The relay's advisory-lock namespaces (the first key of the two-key form): derived from
-/// the installation's random `lock_space`, so that no plugin can know them in advance.
-#[derive(Debug, Clone, Copy)]
-struct LockSpace {
-    shard: i32,
-    member: i32,
-}
-
-impl LockSpace {
-    async fn load(conn: &mut PgConnection) -> Result<LockSpace> {
-        let space: i32 = sqlx::query_scalar("SELECT lock_space FROM obx.installation")
-            .fetch_one(conn)
-            .await
-            .context("reading the installation's lock space")?;
-        // pg_locks shows the first key as an oid: keep it non-negative.
-        let shard = space & 0x7fff_fffe;
-        Ok(LockSpace {
-            shard,
-            member: shard | 1,
-        })
-    }
-}
 /// The channel other hosts' commits are announced on.
 pub const NOTIFY_CHANNEL: &str = "obx_outbox";
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
+/// The longest pause after a failed step.
+const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// An outbox row as the relay and replay send it.
 #[derive(Debug, sqlx::FromRow)]
@@ -264,7 +245,13 @@ impl Relay {
                     state.conn = None;
                     state.shards.clear();
                     self.owns_all.store(false, Ordering::Relaxed);
-                    (next_backoff(&mut backoff, self.config.backoff_max), false)
+                    // A step fails for the database (a restart, a terminated backend) or a
+                    // producer that cannot be made: try again within a second, not after
+                    // the backoff of refused deliveries (up to backoff_max).
+                    (
+                        next_backoff(&mut backoff, STEP_RETRY_MAX.min(self.config.backoff_max)),
+                        false,
+                    )
                 }
             };
             if wake_early && listener.is_none() {
@@ -664,35 +651,6 @@ fn rand_i32() -> i32 {
     uuid::Uuid::new_v4().as_u128() as i32
 }
 
-/// `pg_locks` is readable by every session, so a plugin that got SQL past the policy could
-/// see the relay's lock space and take shard or membership locks (holding up publishing for
-/// everyone, or shrinking every relay's fair share). A session of a role the host is a member
-/// of (a plugin's) that holds a lock in the relay's space is terminated.
-async fn evict_intruders(conn: &mut PgConnection, locks: LockSpace) -> Result<()> {
-    let evicted: Vec<String> = sqlx::query_scalar(
-        // Materialized first, so that nothing but an intruder can reach the terminate call.
-        "WITH intruders AS MATERIALIZED ( \
-             SELECT DISTINCT a.pid, a.usename::text AS role \
-             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.classid IN ($1::oid, $2::oid) \
-               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-               AND a.usename <> current_user AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
-         SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
-    )
-    .bind(locks.shard as i64)
-    .bind(locks.member as i64)
-    .fetch_all(&mut *conn)
-    .await?;
-    for role in evicted {
-        tracing::warn!(
-            role,
-            "a plugin session held one of the relay's locks; it was terminated"
-        );
-        metrics::counter!("obx_relay_intruders_evicted_total").increment(1);
-    }
-    Ok(())
-}
-
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
 /// still in flight is not given up, so that a hand-over never sends a row twice.
 async fn rebalance(
@@ -701,7 +659,7 @@ async fn rebalance(
     held: &mut BTreeSet<i32>,
     busy: &HashSet<i32>,
 ) -> Result<()> {
-    evict_intruders(conn, locks).await?;
+    locks.evict_intruders(conn).await?;
     // Members are the host user's sessions: a plugin session is never counted.
     let members: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
@@ -802,10 +760,7 @@ mod tests {
     use super::*;
     use crate::db::embedded::EmbeddedPostgres;
 
-    const LOCKS: LockSpace = LockSpace {
-        shard: 0x6f62_7800,
-        member: 0x6f62_7801,
-    };
+    const LOCKS: LockSpace = LockSpace::of(0x6f62_7800);
 
     /// Shards whose lock this session really holds, as Postgres sees them.
     async fn locked(conn: &mut PgConnection) -> BTreeSet<i32> {
