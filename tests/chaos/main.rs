@@ -133,7 +133,11 @@ impl World {
         let child = command
             .arg("serve")
             .env_remove("OBX_CONFIG")
-            .env("RUST_LOG", "info")
+            // OBX_CHAOS_HOST_LOG: the hosts' RUST_LOG, e.g. "info,obx::outbox::relay=debug".
+            .env(
+                "RUST_LOG",
+                std::env::var("OBX_CHAOS_HOST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env("DATABASE_URL", &self.database_url)
             .env("OBX_SERVICE__NAME", "chaos")
             .env("OBX_KAFKA__BROKERS", &self.bootstrap)

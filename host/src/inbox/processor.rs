@@ -59,6 +59,8 @@ struct Claimed {
 
 impl Processor {
     pub async fn run(mut self) {
+        // Failed steps in a row: the pause after one doubles from `backoff_initial`.
+        let mut failures = 0;
         loop {
             if *self.shutdown.borrow() {
                 return;
@@ -67,12 +69,16 @@ impl Processor {
             // retried after a pause, like one that failed.
             let step = std::panic::AssertUnwindSafe(self.step()).catch_unwind().await;
             let step = step.unwrap_or_else(|_| Err(anyhow::anyhow!("the step panicked")));
+            if step.is_ok() {
+                failures = 0;
+            }
             let pause = match step {
                 Ok(Outcome::Worked) => continue,
                 Ok(Outcome::Idle) => self.config.inbox_poll_interval,
                 Err(e) => {
                     tracing::warn!(error = %e, "inbox processor step failed");
-                    self.config.backoff_max
+                    failures += 1;
+                    backoff(self.config.backoff_initial, self.config.backoff_max, failures)
                 }
             };
             tokio::select! {
