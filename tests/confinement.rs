@@ -704,6 +704,67 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     host.shutdown().await;
 }
 
+/// A plugin session that takes locks in the consumers' lease classes (a group's membership,
+/// a thousand partition ids) is ended by the next lease step, and consumption goes on.
+#[tokio::test]
+async fn a_plugin_session_that_takes_the_consumers_lease_locks_is_ended() {
+    let host = spawn_host(&["testbed"]).await;
+    let mut s = host.plugin_session("testbed").await;
+    // As an attacker would: the one advisory lock held in share mode in this database is a
+    // consumer's group membership; its class, less one, is the partitions' class.
+    let mut group = None;
+    for _ in 0..100 {
+        group = sqlx::query_as::<_, (i64, i64)>(
+            "SELECT classid::int8, objid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+               AND mode = 'ShareLock' AND granted \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1",
+        )
+        .fetch_optional(&mut s)
+        .await
+        .unwrap();
+        if group.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (class, group) = group.expect("the consumer holds its group's membership");
+    sqlx::query("SELECT pg_try_advisory_lock_shared($1::int4, $2::int4)")
+        .bind(class)
+        .bind(group)
+        .execute(&mut s)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_try_advisory_lock(($1 - 1)::int4, g) FROM generate_series(1, 1000) g")
+        .bind(class)
+        .execute(&mut s)
+        .await
+        .unwrap();
+    let mut ended = false;
+    for _ in 0..100 {
+        if sqlx::query("SELECT 1").execute(&mut s).await.is_err() {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ended, "the intruding session is still alive after 10 s");
+    let id = send_event(
+        &producer(&host.host.brokers.bootstrap),
+        &host.topic("testbed.events"),
+        "k",
+        "Thing",
+        &json!({ "seq": 1 }),
+    )
+    .await;
+    eventually(Duration::from_secs(20), "the event takes effect", || async {
+        host.count(&format!("SELECT count(*) FROM testbed.effects WHERE event_id = '{id}'"))
+            .await
+            == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// An event type on a topic is one plugin's: another may not declare it, and so cannot
 /// forge it, even under its own name.
 #[tokio::test]

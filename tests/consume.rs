@@ -299,6 +299,40 @@ async fn a_host_whose_lease_session_ended_while_it_lived_starts_over_and_consume
     a.shutdown().await;
 }
 
+/// Partitions a host handed over to a newcomer come back to it when the newcomer stops,
+/// and it reads them again (a partition paused for its hand-over must not stay paused). The
+/// stuck check, which would rescue it, is off.
+#[tokio::test]
+async fn partitions_handed_over_and_leased_back_are_read_again() {
+    let broker = broker();
+    let with = |c: &mut obx::config::Config| {
+        broker.configure(c);
+        c.consumer.stuck_after = Duration::ZERO;
+    };
+    let a = spawn_host_with(&["testbed"], with).await;
+    let holders = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
+    eventually(Duration::from_secs(30), "A leases partitions", || async {
+        a.count(&holders).await == 1
+    })
+    .await;
+    let b = spawn_host_on(&a.database_url, &["testbed"], with).await;
+    eventually(Duration::from_secs(30), "A hands partitions over to B", || async {
+        a.count(&holders).await == 2
+    })
+    .await;
+    b.shutdown().await;
+    let p = producer(&broker.bootstrap);
+    for i in 0..40 {
+        send_event(&p, &a.topic(DEDUP), &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
+    }
+    eventually(Duration::from_secs(20), "40 effects, all by A", || async {
+        total_effects(&a).await == 40
+    })
+    .await;
+    assert_each_effect_once(&a, 40).await;
+    a.shutdown().await;
+}
+
 /// A SIGKILLed host's partitions move to the survivor through their leases: Postgres ends
 /// the dead host's lease session with its process. Both hosts' group sessions last 60 s, so
 /// under the broker's group coordinator every event sent after the kill to one of the dead

@@ -35,6 +35,20 @@ pub fn host_options(url: &str, name: &str) -> Result<PgConnectOptions> {
         .options([("search_path", "obx")]))
 }
 
+/// `options` for a connection whose session holds leases (advisory locks: the relay's
+/// shards, a consumer's partitions). A host process that dies takes its sessions with it at
+/// once; a host machine that vanishes, or a network partition, leaves the server holding the
+/// session, and its locks, until TCP keepalives give up: the kernel's default waits two
+/// hours, these about 8 s (ignored on Unix sockets, where a dead peer is noticed at once).
+pub fn lease_holder(options: PgConnectOptions) -> PgConnectOptions {
+    options.options([
+        ("tcp_keepalives_idle", "5"),
+        ("tcp_keepalives_interval", "1"),
+        ("tcp_keepalives_count", "3"),
+        ("tcp_user_timeout", "8000"),
+    ])
+}
+
 /// Opens the host's pool.
 pub async fn connect(url: &str, cfg: &DatabaseConfig) -> Result<PgPool> {
     PgPoolOptions::new()

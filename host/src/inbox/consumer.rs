@@ -74,10 +74,10 @@ enum Ended {
     Shutdown,
     /// Partitions with messages to consume, and no progress for this long.
     Stuck(Duration),
-    /// Another host leased partitions of this one while its lease session was gone. The
-    /// consumer starts over with a new client on the partitions it still holds (librdkafka
-    /// stopped fetching every partition of a client that unassigned some without a final
-    /// commit, in the fault suite).
+    /// The client's assignment no longer follows the leases: another host leased partitions
+    /// of this one while its lease session was gone, or the client refused a change. The
+    /// consumer starts over with a new client, assigned exactly the partitions it holds (an
+    /// old client that unassigned lost partitions stopped fetching in the fault suite).
     Lost,
     /// The consumer could not be created or subscribed (logged).
     Failed,

@@ -44,6 +44,9 @@ pub struct Leases {
     session: Option<Session>,
     ids: HashMap<Partition, i32>,
     held: BTreeSet<Partition>,
+    /// Found taken by another consumer when a session was opened, and not reported yet (the
+    /// step that opened it may have failed after).
+    lost: Vec<Partition>,
 }
 
 struct Session {
@@ -60,6 +63,7 @@ impl Leases {
             session: None,
             ids: HashMap::new(),
             held: BTreeSet::new(),
+            lost: Vec::new(),
         }
     }
 
@@ -73,13 +77,15 @@ impl Leases {
     pub async fn step(&mut self, partitions: &[Partition], leaving: &HashSet<Partition>) -> Result<Change> {
         let mut change = Change::default();
         if self.session.is_none() {
-            change.lost = self.open().await?;
+            let lost = self.open().await?;
+            self.lost.extend(lost);
         }
-        let result = self.share(partitions, leaving, &mut change).await;
-        if result.is_err() {
+        if let Err(e) = self.share(partitions, leaving, &mut change).await {
             self.session = None;
+            return Err(e);
         }
-        result.map(|()| change)
+        change.lost = std::mem::take(&mut self.lost);
+        Ok(change)
     }
 
     /// Opens a session, joins the group, and takes back the partitions held before, where
@@ -90,10 +96,10 @@ impl Leases {
             .context("connecting for partition leases")?;
         let locks = LockSpace::load(&mut conn).await?;
         locks.evict_intruders(&mut conn).await?;
+        // DO UPDATE, so that the row comes back even when another host inserted it first.
         let group_id: i32 = sqlx::query_scalar(
-            "WITH new AS (INSERT INTO obx.consumer_group (group_name) VALUES ($1) \
-                          ON CONFLICT (group_name) DO NOTHING RETURNING id) \
-             SELECT id FROM new UNION ALL SELECT id FROM obx.consumer_group WHERE group_name = $1",
+            "INSERT INTO obx.consumer_group (group_name) VALUES ($1) \
+             ON CONFLICT (group_name) DO UPDATE SET group_name = EXCLUDED.group_name RETURNING id",
         )
         .bind(&self.group)
         .fetch_one(&mut conn)
@@ -150,7 +156,7 @@ impl Leases {
         .fetch_one(&mut s.conn)
         .await?;
         let fair = partitions.len().div_ceil(members.max(1) as usize);
-        let staying = self.held.len().saturating_sub(leaving.len());
+        let staying = self.held.iter().filter(|p| !leaving.contains(*p)).count();
         if staying > fair {
             change.surplus = self
                 .held

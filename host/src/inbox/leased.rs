@@ -44,7 +44,10 @@ impl Leased {
         Leased {
             plugin: plugin.to_string(),
             topics: topics.to_vec(),
-            leases: Leases::new(options.application_name("obx-consumer-leases"), group),
+            leases: Leases::new(
+                crate::db::lease_holder(options.application_name("obx-consumer-leases")),
+                group,
+            ),
             partitions: Vec::new(),
             metadata_at: None,
             leaving: HashMap::new(),
@@ -73,9 +76,7 @@ impl Leased {
         let held: Vec<Partition> = self.leases.held().iter().cloned().collect();
         if !held.is_empty() {
             tracing::info!(plugin = %self.plugin, partitions = %names(&held), "partitions leased (a new client)");
-            if let Err(e) = consumer.incremental_assign(&list(&held)) {
-                tracing::error!(plugin = %self.plugin, error = %e, "cannot assign leased partitions");
-            }
+            assign(consumer, &held, &self.plugin);
         }
     }
 
@@ -87,10 +88,10 @@ impl Leased {
         C: Consumer<X> + Send + Sync + 'static,
     {
         if self.partitions.is_empty() || self.metadata_at.is_none_or(|t| t.elapsed() >= METADATA_EVERY) {
-            let (c, topics) = (consumer.clone(), self.topics.clone());
-            if let Ok(Some(found)) = tokio::task::spawn_blocking(move || partitions_of(&*c, &topics)).await {
+            self.metadata_at = Some(Instant::now());
+            let (c, topics, known) = (consumer.clone(), self.topics.clone(), self.partitions.clone());
+            if let Ok(Some(found)) = tokio::task::spawn_blocking(move || partitions_of(&*c, &topics, &known)).await {
                 self.partitions = found;
-                self.metadata_at = Some(Instant::now());
             }
         }
         let leaving: HashSet<Partition> = self.leaving.keys().cloned().collect();
@@ -115,9 +116,7 @@ impl Leased {
                  starting over with a new client");
             return false;
         }
-        self.apply(consumer.as_ref(), change);
-        self.hand_over(consumer).await;
-        true
+        self.apply(consumer.as_ref(), change) && self.hand_over(consumer).await
     }
 
     /// Logs the first of a run of failed steps. The consumer keeps its partitions meanwhile.
@@ -129,11 +128,13 @@ impl Leased {
         Change::default()
     }
 
-    fn apply<X: ConsumerContext, C: Consumer<X>>(&mut self, consumer: &C, change: Change) {
+    /// Returns false if the client's assignment could not follow the leases: the consumer
+    /// then starts over with a new client, which is assigned exactly what is leased.
+    fn apply<X: ConsumerContext, C: Consumer<X>>(&mut self, consumer: &C, change: Change) -> bool {
         if !change.acquired.is_empty() {
             tracing::info!(plugin = %self.plugin, partitions = %names(&change.acquired), "partitions leased");
-            if let Err(e) = consumer.incremental_assign(&list(&change.acquired)) {
-                tracing::error!(plugin = %self.plugin, error = %e, "cannot assign leased partitions");
+            if !assign(consumer, &change.acquired, &self.plugin) {
+                return false;
             }
         }
         if !change.surplus.is_empty() {
@@ -142,11 +143,13 @@ impl Leased {
             let now = Instant::now();
             self.leaving.extend(change.surplus.into_iter().map(|p| (p, now)));
         }
+        true
     }
 
     /// Partitions being handed over whose lanes are done (or past [`HANDOVER_MAX`]): their
-    /// offsets are committed, then they are unassigned and their leases released.
-    async fn hand_over<X, C>(&mut self, consumer: &Arc<C>)
+    /// offsets are committed, then they are unassigned and their leases released. Returns
+    /// false if the client could not unassign them (start over, as for [`Leased::apply`]).
+    async fn hand_over<X, C>(&mut self, consumer: &Arc<C>) -> bool
     where
         X: ConsumerContext + 'static,
         C: Consumer<X> + Send + Sync + 'static,
@@ -158,18 +161,32 @@ impl Leased {
             .map(|(p, _)| p.clone())
             .collect();
         if done.is_empty() {
-            return;
+            return true;
         }
+        // Bounded: a broker that does not answer costs the next owner a few redeliveries
+        // (dedup hits), not this consumer's loop.
         let c = consumer.clone();
-        let _ = tokio::task::spawn_blocking(move || c.commit_consumer_state(CommitMode::Sync)).await;
-        let _ = consumer.incremental_unassign(&list(&done));
+        let commit = tokio::task::spawn_blocking(move || c.commit_consumer_state(CommitMode::Sync));
+        let _ = tokio::time::timeout(ASK_TIMEOUT, commit).await;
+        // Paused by the application, a partition would stay paused if it came back.
+        let _ = consumer.resume(&list(&done));
+        let unassigned = consumer.incremental_unassign(&list(&done));
         for p in &done {
             self.leaving.remove(p);
         }
-        if let Err(e) = self.leases.give_up(&done).await {
-            tracing::debug!(plugin = %self.plugin, error = %e, "releasing leases (the session is gone, and they with it)");
+        match tokio::time::timeout(ASK_TIMEOUT, self.leases.give_up(&done)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(plugin = %self.plugin, error = %e, "releasing leases (the session is gone, and they with it)")
+            }
+            Err(_) => self.leases.reset(),
         }
         tracing::info!(plugin = %self.plugin, partitions = %names(&done), "partitions handed over");
+        if let Err(e) = unassigned {
+            tracing::warn!(plugin = %self.plugin, error = %e, "cannot unassign partitions handed over; starting over with a new client");
+            return false;
+        }
+        true
     }
 
     /// Releases every lease: call after the final offset commit.
@@ -178,18 +195,44 @@ impl Leased {
     }
 }
 
-/// The partitions of `topics`, or `None` if the broker did not answer. A topic that does
-/// not exist yet has none.
-fn partitions_of<X: ConsumerContext, C: Consumer<X>>(consumer: &C, topics: &[String]) -> Option<Vec<Partition>> {
+/// The partitions of `topics`, or `None` if the broker did not answer. A topic the broker
+/// reports an error for (one that does not exist yet, a leader election) keeps the
+/// partitions it had in `known`: a passing error must not shrink the share of every host.
+fn partitions_of<X: ConsumerContext, C: Consumer<X>>(
+    consumer: &C,
+    topics: &[String],
+    known: &[Partition],
+) -> Option<Vec<Partition>> {
     let mut found = Vec::new();
     for topic in topics {
         let metadata = consumer.fetch_metadata(Some(topic), ASK_TIMEOUT).ok()?;
-        for t in metadata.topics().iter().filter(|t| t.error().is_none()) {
-            found.extend(t.partitions().iter().map(|p| (t.name().to_string(), p.id())));
+        for t in metadata.topics() {
+            if t.error().is_none() {
+                found.extend(t.partitions().iter().map(|p| (t.name().to_string(), p.id())));
+            } else {
+                found.extend(known.iter().filter(|(name, _)| name == t.name()).cloned());
+            }
         }
     }
     found.sort();
+    found.dedup();
     Some(found)
+}
+
+/// Adds `partitions` to the client's assignment, from their committed offsets, and not
+/// paused. Logs and returns false if the client refuses.
+fn assign<X: ConsumerContext, C: Consumer<X>>(consumer: &C, partitions: &[Partition], plugin: &str) -> bool {
+    let tpl = list(partitions);
+    match consumer.incremental_assign(&tpl) {
+        Ok(()) => {
+            let _ = consumer.resume(&tpl);
+            true
+        }
+        Err(e) => {
+            tracing::error!(plugin, error = %e, "cannot assign leased partitions");
+            false
+        }
+    }
 }
 
 /// Partitions to assign, each from its committed offset.

@@ -342,7 +342,7 @@ impl Relay {
 
     async fn step(&self, st: &mut State) -> Result<Outcome> {
         if st.conn.is_none() {
-            let options = crate::db::host_options(&self.database_url, "obx-relay")?;
+            let options = crate::db::lease_holder(crate::db::host_options(&self.database_url, "obx-relay")?);
             let mut conn = PgConnection::connect_with(&options)
                 .await
                 .context("connecting the relay")?;
