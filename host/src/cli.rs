@@ -388,6 +388,8 @@ async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {
             let rows = dlq::quarantined(&pool, plugin.as_deref()).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                println!("no quarantined messages");
             } else {
                 for q in rows {
                     println!(

@@ -127,4 +127,8 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     let log = log.join().unwrap().join("\n");
     assert!(status.success(), "exit status {status}; log:\n{log}");
     assert!(log.contains("throwaway Postgres"), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "a log written to a pipe has colour codes:\n{log}"
+    );
 }
