@@ -303,14 +303,15 @@ async fn status(config: Option<PathBuf>, url: Option<String>, json: bool, token:
         "plugin", "lag", "inbox", "dead letters", "quarantined"
     );
     for c in body["consumption"].as_array().unwrap_or(&none) {
-        let lag = c["lag"].as_i64().map(|l| l.to_string()).unwrap_or_else(|| "-".into());
+        // As strings: a JSON value ignores the width it is printed with.
+        let n = |k: &str| c[k].as_i64().map_or_else(|| "-".to_string(), |n| n.to_string());
         println!(
             "  {:<16} {:>8} {:>8} {:>13} {:>12}",
             c["plugin"].as_str().unwrap_or("?"),
-            lag,
-            c["inbox_backlog"],
-            c["dead_letters"],
-            c["quarantined"]
+            n("lag"),
+            n("inbox_backlog"),
+            n("dead_letters"),
+            n("quarantined")
         );
     }
     Ok(if ready { ExitCode::SUCCESS } else { ExitCode::FAILURE })

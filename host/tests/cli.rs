@@ -82,19 +82,32 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
     }
 }
 
+/// A child process killed when the test ends, even by a failed assertion (a host left
+/// running would hold the test's output pipe open).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     let plugins = tempfile::tempdir().unwrap();
     std::fs::copy(plugin("orders"), plugins.path().join("orders.wasm")).unwrap();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = obx()
-        .arg("serve")
-        .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-        .env("OBX_PLUGINS__DIR", plugins.path())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
+    let mut child = KillOnDrop(
+        obx()
+            .arg("serve")
+            .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+            .env("OBX_PLUGINS__DIR", plugins.path())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = child.0.stderr.take().unwrap();
     let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
 
     let base = format!("http://127.0.0.1:{port}");
@@ -110,12 +123,29 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
             .unwrap();
         assert_eq!(r.status(), 200);
     });
+    // `obx status`: each consumption row lines up with its header.
+    let status = obx().args(["status", "--url", &base]).output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    let header = lines
+        .iter()
+        .position(|l| l.trim_start().starts_with("plugin "))
+        .expect(&text);
+    let rows = &lines[header + 1..];
+    assert!(!rows.is_empty(), "no consumption rows:\n{text}");
+    for row in rows {
+        assert_eq!(
+            row.len(),
+            lines[header].len(),
+            "a row out of line with its header:\n{text}"
+        );
+    }
 
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     let stopping = Instant::now();
     let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.0.try_wait().unwrap() {
             break status;
         }
         assert!(
