@@ -692,16 +692,19 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     })
     .await;
     // The relay looks at its lock space once a second.
-    let mut ended = false;
+    assert_session_ends(&mut s).await;
+    host.shutdown().await;
+}
+
+/// Asserts that `s` is ended (by the host) within 10 s.
+async fn assert_session_ends(s: &mut PgConnection) {
     for _ in 0..100 {
-        if sqlx::query("SELECT 1").execute(&mut s).await.is_err() {
-            ended = true;
-            break;
+        if sqlx::query("SELECT 1").execute(&mut *s).await.is_err() {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(ended, "the intruding session is still alive after 10 s");
-    host.shutdown().await;
+    panic!("the intruding session is still alive after 10 s");
 }
 
 /// A plugin session that takes locks in the consumers' lease classes (a group's membership,
@@ -739,15 +742,7 @@ async fn a_plugin_session_that_takes_the_consumers_lease_locks_is_ended() {
         .execute(&mut s)
         .await
         .unwrap();
-    let mut ended = false;
-    for _ in 0..100 {
-        if sqlx::query("SELECT 1").execute(&mut s).await.is_err() {
-            ended = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(ended, "the intruding session is still alive after 10 s");
+    assert_session_ends(&mut s).await;
     let id = send_event(
         &producer(&host.host.brokers.bootstrap),
         &host.topic("testbed.events"),

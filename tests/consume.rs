@@ -158,6 +158,21 @@ impl Drop for HostProcess {
     }
 }
 
+/// Starts [`host_process_to_kill`] as a host of the service on `database_url`, with `env`
+/// besides; SIGKILLed when dropped.
+fn host_process(broker: &TestBroker, database_url: &str, env: &[(&str, &str)]) -> HostProcess {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", "host_process_to_kill", "--ignored", "--test-threads=1"])
+        .env("OBX_CHILD_DATABASE_URL", database_url)
+        .env("OBX_CHILD_BROKERS", &broker.bootstrap)
+        .env("OBX_CHILD_MOCK_BROKER", if broker.mock.is_some() { "1" } else { "0" })
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    HostProcess(command.spawn().expect("starting the host process"))
+}
+
 /// The offsets the consumer group of `plugin` in `host`'s service committed on `topic`'s
 /// partitions, as the broker has them (absent: none committed).
 fn committed_offsets(broker: &TestBroker, host: &TestHost, plugin: &str, topic: &str) -> Vec<i64> {
@@ -196,18 +211,7 @@ async fn a_host_killed_with_sigkill_after_its_batches_commit_and_before_its_offs
     for i in 0..200 {
         ids.push(send_event(&p, &topic, &format!("k{}", i % 8), "Thing", &json!({ "seq": i })).await);
     }
-    let url = setup.database_url.clone();
-    let process = HostProcess(
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "host_process_to_kill", "--ignored", "--test-threads=1"])
-            .env("OBX_CHILD_DATABASE_URL", &url)
-            .env("OBX_CHILD_BROKERS", &broker.bootstrap)
-            .env("OBX_CHILD_MOCK_BROKER", if broker.mock.is_some() { "1" } else { "0" })
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("starting the host process"),
-    );
+    let process = host_process(&broker, &setup.database_url, &[]);
     eventually(
         Duration::from_secs(60),
         "200 effects, committed by the host process",
@@ -246,6 +250,32 @@ const LEASE_HOLDERS: &str = "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity 
     WHERE a.application_name = 'obx-consumer-leases' AND a.datname = current_database() \
       AND l.locktype = 'advisory' AND l.granted GROUP BY l.pid HAVING count(*) >= 2";
 
+/// Waits (30 s at most) until `n` lease sessions of `host`'s database hold partitions.
+async fn await_lease_holders(host: &TestHost, n: i64, what: &str) {
+    let holders = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
+    eventually(Duration::from_secs(30), what, || async {
+        host.count(&holders).await == n
+    })
+    .await;
+}
+
+/// Sends one event to each of the keys `k0`..`k39` of `topic`, and waits (20 s at most)
+/// until each has taken effect once on `host`. Returns the time from the first send.
+async fn send_40_keys_and_await_their_effects(host: &TestHost, bootstrap: &str, topic: &str, what: &str) -> Duration {
+    let p = producer(bootstrap);
+    let sent = std::time::Instant::now();
+    for i in 0..40 {
+        send_event(&p, topic, &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
+    }
+    eventually(Duration::from_secs(20), what, || async {
+        total_effects(host).await == 40
+    })
+    .await;
+    let took = sent.elapsed();
+    assert_each_effect_once(host, 40).await;
+    took
+}
+
 /// A host whose lease sessions end while it lives (here, each one as soon as it begins, for
 /// 2 s, while the other host takes every partition) finds its partitions leased by the
 /// other: it starts over with a new client, gets its share back, and consumes it. The
@@ -259,19 +289,12 @@ async fn a_host_whose_lease_session_ended_while_it_lived_starts_over_and_consume
     };
     let a = spawn_host_with(&["testbed"], with).await;
     let topic = a.topic(DEDUP);
-    let holders = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
-    eventually(Duration::from_secs(30), "A leases partitions", || async {
-        a.count(&holders).await == 1
-    })
-    .await;
+    await_lease_holders(&a, 1, "A leases partitions").await;
     let a_pid = a
         .count(&format!("SELECT min(pid)::bigint FROM ({LEASE_HOLDERS}) s"))
         .await;
     let b = spawn_host_on(&a.database_url, &["testbed"], with).await;
-    eventually(Duration::from_secs(30), "both hosts lease partitions", || async {
-        a.count(&holders).await == 2
-    })
-    .await;
+    await_lease_holders(&a, 2, "both hosts lease partitions").await;
     let end_b = format!(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
          WHERE application_name = 'obx-consumer-leases' AND datname = current_database() AND pid <> {a_pid}"
@@ -281,19 +304,8 @@ async fn a_host_whose_lease_session_ended_while_it_lived_starts_over_and_consume
         a.count(&end_b).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    eventually(Duration::from_secs(30), "both hosts lease partitions again", || async {
-        a.count(&holders).await == 2
-    })
-    .await;
-    let p = producer(&broker.bootstrap);
-    for i in 0..40 {
-        send_event(&p, &topic, &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
-    }
-    eventually(Duration::from_secs(20), "40 effects", || async {
-        total_effects(&a).await == 40
-    })
-    .await;
-    assert_each_effect_once(&a, 40).await;
+    await_lease_holders(&a, 2, "both hosts lease partitions again").await;
+    send_40_keys_and_await_their_effects(&a, &broker.bootstrap, &topic, "40 effects").await;
     assert_eq!(key_disorder(&a).await, 0);
     b.shutdown().await;
     a.shutdown().await;
@@ -310,26 +322,11 @@ async fn partitions_handed_over_and_leased_back_are_read_again() {
         c.consumer.stuck_after = Duration::ZERO;
     };
     let a = spawn_host_with(&["testbed"], with).await;
-    let holders = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
-    eventually(Duration::from_secs(30), "A leases partitions", || async {
-        a.count(&holders).await == 1
-    })
-    .await;
+    await_lease_holders(&a, 1, "A leases partitions").await;
     let b = spawn_host_on(&a.database_url, &["testbed"], with).await;
-    eventually(Duration::from_secs(30), "A hands partitions over to B", || async {
-        a.count(&holders).await == 2
-    })
-    .await;
+    await_lease_holders(&a, 2, "A hands partitions over to B").await;
     b.shutdown().await;
-    let p = producer(&broker.bootstrap);
-    for i in 0..40 {
-        send_event(&p, &a.topic(DEDUP), &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
-    }
-    eventually(Duration::from_secs(20), "40 effects, all by A", || async {
-        total_effects(&a).await == 40
-    })
-    .await;
-    assert_each_effect_once(&a, 40).await;
+    send_40_keys_and_await_their_effects(&a, &broker.bootstrap, &a.topic(DEDUP), "40 effects, all by A").await;
     a.shutdown().await;
 }
 
@@ -341,41 +338,17 @@ async fn partitions_handed_over_and_leased_back_are_read_again() {
 async fn a_sigkilled_hosts_partitions_move_to_the_survivor_without_waiting_for_a_group_session() {
     let broker = broker();
     let (setup, topic) = not_consuming(&broker, DEDUP).await;
-    let process = HostProcess(
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "host_process_to_kill", "--ignored", "--test-threads=1"])
-            .env("OBX_CHILD_DATABASE_URL", &setup.database_url)
-            .env("OBX_CHILD_BROKERS", &broker.bootstrap)
-            .env("OBX_CHILD_MOCK_BROKER", if broker.mock.is_some() { "1" } else { "0" })
-            .env("OBX_CHILD_SESSION_TIMEOUT_S", "60")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("starting the host process"),
-    );
+    let process = host_process(&broker, &setup.database_url, &[("OBX_CHILD_SESSION_TIMEOUT_S", "60")]);
     let survivor = next_host(&broker, setup, |c| {
         c.consumer.session_timeout = Duration::from_secs(60);
         c.consumer.heartbeat_interval = Duration::from_secs(1);
     })
     .await;
-    // Two lease sessions, each holding a partition beside its group membership.
-    let sharing = format!("SELECT count(*) FROM ({LEASE_HOLDERS}) s");
-    eventually(Duration::from_secs(30), "both hosts lease partitions", || async {
-        survivor.count(&sharing).await == 2
-    })
-    .await;
+    await_lease_holders(&survivor, 2, "both hosts lease partitions").await;
     drop(process);
-    let p = producer(&broker.bootstrap);
-    let sent = std::time::Instant::now();
-    for i in 0..40 {
-        send_event(&p, &topic, &format!("k{i}"), "Thing", &json!({ "seq": i })).await;
-    }
-    eventually(Duration::from_secs(20), "40 effects after the kill", || async {
-        total_effects(&survivor).await == 40
-    })
-    .await;
-    eprintln!("every partition handled {:?} after the first send", sent.elapsed());
-    assert_each_effect_once(&survivor, 40).await;
+    let took =
+        send_40_keys_and_await_their_effects(&survivor, &broker.bootstrap, &topic, "40 effects after the kill").await;
+    eprintln!("every partition handled {took:?} after the first send");
     assert_eq!(key_disorder(&survivor).await, 0);
     survivor.shutdown().await;
 }
