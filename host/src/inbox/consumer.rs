@@ -199,10 +199,10 @@ impl Consumer {
             match message {
                 Ok(m) => {
                     progress.advanced();
-                    let tracked = match leased.as_deref() {
+                    let tracked = match leased.as_deref().map(|l| l.admit(m.topic(), m.partition())) {
                         // Not (or no longer) this consumer's: the partition's owner reads it.
-                        Some(l) if !l.takes(m.topic(), m.partition()) => continue,
-                        Some(l) => Some(l.track(m.topic(), m.partition())),
+                        Some(None) => continue,
+                        Some(tracked) => tracked,
                         None => None,
                     };
                     let kib = (m.payload_len() / 1024).clamp(1, IN_FLIGHT_KIB) as u32;

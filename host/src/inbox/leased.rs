@@ -56,17 +56,13 @@ impl Leased {
         }
     }
 
-    /// Whether a message of this partition goes to the lanes: its lease is held, and it is
-    /// not being handed over. (A message that does not is neither handled nor stored, so
-    /// the partition's next owner reads it again.)
-    pub fn takes(&self, topic: &str, partition: i32) -> bool {
+    /// Admits a message of this partition to the lanes if its lease is held and it is not
+    /// being handed over, counting it as in flight until the returned value drops. A
+    /// message not admitted is neither handled nor stored, so the partition's next owner
+    /// reads it again.
+    pub fn admit(&self, topic: &str, partition: i32) -> Option<Tracked> {
         let p = (topic.to_string(), partition);
-        self.leases.held().contains(&p) && !self.leaving.contains_key(&p)
-    }
-
-    /// Counts a message of this partition as in the lanes until the returned value drops.
-    pub fn track(&self, topic: &str, partition: i32) -> Tracked {
-        self.in_flight.track((topic.to_string(), partition))
+        (self.leases.held().contains(&p) && !self.leaving.contains_key(&p)).then(|| self.in_flight.track(p))
     }
 
     /// Assigns a new client the partitions leased so far (the first client: none).
