@@ -5,7 +5,9 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use obx_tests::{broker, consume, eventually, metric_value, spawn_host, spawn_host_with, Received, TestHost};
+use obx_tests::{
+    broker, consume, eventually, metric_value, murmur2_partition, spawn_host, spawn_host_with, Received, TestHost,
+};
 use serde_json::json;
 
 /// One of the testbed's declared topics (it may emit to no others).
@@ -400,6 +402,76 @@ async fn kcat_reads_key_value_and_headers() {
     assert!(parts[2].contains("eventType=OrderCreated"), "{line}");
     assert!(parts[2].contains("aggregateType=Order"), "{line}");
     assert!(parts[2].contains(&format!("aggregateId={order_id}")), "{line}");
+    host.shutdown().await;
+}
+
+/// Kafka orders a key's messages only within a partition: when OBX and a service that
+/// follows the seed (kafkajs) both write one aggregate's events to one topic, they must put
+/// its key on the same partition, and so must a Java producer.
+#[tokio::test]
+async fn obx_kafkajs_and_the_java_hash_put_each_key_on_the_same_partition() {
+    const KEYS: usize = 1000;
+    const PARTITIONS: u32 = 8;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("interop/produce-keys.js");
+    assert!(
+        script.with_file_name("node_modules").exists(),
+        "kafkajs is not installed: `cargo xtask test` runs `npm ci` in tests/interop"
+    );
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
+    let t = host.topic(&topic("alpha"));
+    broker.create_topic_with(&t, PARTITIONS as i32).await;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("aggregate-{i}")).collect();
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "p", "topic": topic("alpha"), "keys": keys }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    all_published(&host, KEYS as i64).await;
+    let out = tokio::process::Command::new("node")
+        .env("KAFKAJS_NO_PARTITIONER_WARNING", "1")
+        // As in consume.rs: neither broker here serves kafkajs's idempotent producer.
+        .env("IDEMPOTENT", "0")
+        .arg(&script)
+        .args([&broker.bootstrap, &t, "aggregate-", &KEYS.to_string()])
+        .output()
+        .await
+        .expect("running node");
+    assert!(
+        out.status.success(),
+        "kafkajs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let messages = consume(&broker.bootstrap, &t, 2 * KEYS, Duration::from_secs(30)).await;
+    let mut by_obx = HashMap::new();
+    let mut by_kafkajs = HashMap::new();
+    for m in &messages {
+        let key = m.key.clone().expect("every message has a key");
+        match (m.header("obx-plugin"), m.header("source")) {
+            (Some("testbed"), _) => by_obx.insert(key, m.partition),
+            (_, Some("kafkajs")) => by_kafkajs.insert(key, m.partition),
+            _ => panic!("a message of neither producer: {m:?}"),
+        };
+    }
+    assert_eq!(
+        (by_obx.len(), by_kafkajs.len()),
+        (KEYS, KEYS),
+        "each key once from each producer"
+    );
+    for key in &keys {
+        let java = murmur2_partition(key.as_bytes(), PARTITIONS) as i32;
+        assert_eq!(
+            (by_obx[key], by_kafkajs[key]),
+            (java, java),
+            "{key}: OBX, kafkajs, Java"
+        );
+    }
+    let used: HashSet<i32> = by_obx.values().copied().collect();
+    assert_eq!(used.len(), PARTITIONS as usize, "the keys spread over every partition");
     host.shutdown().await;
 }
 

@@ -279,6 +279,11 @@ pub struct KafkaConfig {
     pub create_topics: bool,
     /// Partitions of the topics OBX creates (`-1`: the brokers' default).
     pub topic_partitions: i32,
+    /// How the relay maps a partition key to a partition (librdkafka's `partitioner`).
+    /// `murmur2_random`, the default, is the hash of Kafka's Java client, kafkajs and the
+    /// other clients that follow it: a key goes to the same partition whichever of them sends
+    /// it. `consistent_random` is librdkafka's own default (CRC-32), what OBX used before.
+    pub partitioner: Partitioner,
     /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
     /// OBX's own settings. Values are kept as secrets: `obx config check --print` shows
     /// only those whose names say nothing of passwords, keys, secrets or tokens.
@@ -295,7 +300,39 @@ impl Default for KafkaConfig {
             topic_prefix: String::new(),
             create_topics: true,
             topic_partitions: -1,
+            partitioner: Partitioner::Murmur2Random,
             properties: BTreeMap::new(),
+        }
+    }
+}
+
+/// See [`KafkaConfig::partitioner`]: librdkafka's partitioners, by their names there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Partitioner {
+    /// Java-compatible murmur2 (keyless messages at random; OBX's always have keys).
+    Murmur2Random,
+    /// Java-compatible murmur2, keyless messages to one partition.
+    Murmur2,
+    /// CRC-32 of the key (librdkafka's default).
+    ConsistentRandom,
+    Consistent,
+    Fnv1aRandom,
+    Fnv1a,
+    Random,
+}
+
+impl Partitioner {
+    /// The value of librdkafka's `partitioner` property.
+    pub fn librdkafka_name(self) -> &'static str {
+        match self {
+            Partitioner::Murmur2Random => "murmur2_random",
+            Partitioner::Murmur2 => "murmur2",
+            Partitioner::ConsistentRandom => "consistent_random",
+            Partitioner::Consistent => "consistent",
+            Partitioner::Fnv1aRandom => "fnv1a_random",
+            Partitioner::Fnv1a => "fnv1a",
+            Partitioner::Random => "random",
         }
     }
 }
@@ -912,6 +949,11 @@ mod tests {
                 "unknown assignment",
                 "[consumer]\nassignment = \"broker\"",
                 "consumer.assignment",
+            ),
+            (
+                "unknown partitioner",
+                "[kafka]\npartitioner = \"java\"",
+                "kafka.partitioner",
             ),
             (
                 "unknown assignor",

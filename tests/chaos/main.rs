@@ -298,12 +298,13 @@ async fn probe(world: &World, db: &PgPool, schema: &str, key: &str, since: Insta
 const PARTITIONS: u32 = 8;
 
 /// One key per partition of the workload's topic, named `{prefix}-…`: the relay's producer
-/// puts a key in partition CRC-32(key) mod partitions (librdkafka's default partitioner).
+/// puts a key in partition murmur2(key) mod partitions (`kafka.partitioner`'s default, the
+/// hash of Kafka's Java client).
 fn keys_of_every_partition(prefix: &str) -> Vec<String> {
     let mut keys: Vec<Option<String>> = vec![None; PARTITIONS as usize];
     for j in 0.. {
         let key = format!("{prefix}-{j}");
-        let slot = &mut keys[(crc32(key.as_bytes()) % PARTITIONS) as usize];
+        let slot = &mut keys[obx_tests::murmur2_partition(key.as_bytes(), PARTITIONS) as usize];
         if slot.is_none() {
             *slot = Some(key);
         }
@@ -312,22 +313,6 @@ fn keys_of_every_partition(prefix: &str) -> Vec<String> {
         }
     }
     keys.into_iter().flatten().collect()
-}
-
-/// CRC-32 (IEEE, as zlib and librdkafka compute it).
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 /// [`probe`] on every key at once, one per partition: the recovery of the slowest, so that
@@ -864,13 +849,15 @@ mod tests {
     use rdkafka::producer::{FutureProducer, FutureRecord};
 
     /// The probe keys land where the suite assumes: one in each partition, as the relay's
-    /// producer (librdkafka's default partitioner) places them.
+    /// producer (`kafka.partitioner`'s default) places them.
     #[tokio::test]
     async fn probe_keys_cover_every_partition() {
         let broker = MockBroker::start(1).unwrap();
         broker.create_topic(TOPIC, PARTITIONS as i32).unwrap();
+        let partitioner = obx::config::KafkaConfig::default().partitioner.librdkafka_name();
         let producer: FutureProducer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", broker.bootstrap())
+            .set("partitioner", partitioner)
             .create()
             .unwrap();
         let mut partitions = Vec::new();
@@ -880,7 +867,11 @@ mod tests {
                 .await
                 .unwrap()
                 .partition;
-            assert_eq!(partition as u32, crc32(key.as_bytes()) % PARTITIONS, "{key}");
+            assert_eq!(
+                partition as u32,
+                obx_tests::murmur2_partition(key.as_bytes(), PARTITIONS),
+                "{key}"
+            );
             partitions.push(partition);
         }
         partitions.sort();

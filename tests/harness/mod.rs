@@ -231,12 +231,19 @@ impl TestBroker {
     /// Creates a topic, as a host that consumes it would: a broker outside the process does
     /// not create one when a producer first writes to it.
     pub async fn create_topic(&self, topic: &str) {
+        self.create_topic_with(topic, if self.mock.is_some() { 4 } else { -1 })
+            .await
+    }
+
+    /// Creates a topic of `partitions` partitions (`-1`: the broker's default).
+    pub async fn create_topic_with(&self, topic: &str, partitions: i32) {
         if let Some(mock) = &self.mock {
-            mock.create_topic(topic, 4).expect("creating a topic");
+            mock.create_topic(topic, partitions).expect("creating a topic");
             return;
         }
         let kafka = obx::config::KafkaConfig {
             brokers: self.bootstrap.clone(),
+            topic_partitions: partitions,
             ..Default::default()
         };
         let brokers = obx::kafka::Brokers::start(&kafka).expect("a client of the brokers");
@@ -542,4 +549,54 @@ pub fn init_logging() {
         )
         .with_test_writer()
         .try_init();
+}
+
+/// The partition Kafka's Java client (and kafkajs, and librdkafka's `murmur2_random`) gives
+/// `key` among `partitions`: its murmur2 hash, made positive, modulo the count.
+pub fn murmur2_partition(key: &[u8], partitions: u32) -> u32 {
+    (murmur2(key) as u32 & 0x7fff_ffff) % partitions
+}
+
+/// Murmur2 as Kafka's Java client computes it (`org.apache.kafka.common.utils.Utils`):
+/// seed 0x9747b28c, little-endian words, the tail bytes last.
+pub fn murmur2(data: &[u8]) -> i32 {
+    const M: u32 = 0x5bd1_e995;
+    const R: u32 = 24;
+    let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
+    let mut words = data.chunks_exact(4);
+    for w in &mut words {
+        let mut k = u32::from_le_bytes([w[0], w[1], w[2], w[3]]).wrapping_mul(M);
+        k ^= k >> R;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M) ^ k;
+    }
+    let tail = words.remainder();
+    if !tail.is_empty() {
+        for (i, b) in tail.iter().enumerate().rev() {
+            h ^= (*b as u32) << (8 * i);
+        }
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h as i32
+}
+
+#[cfg(test)]
+mod tests {
+    /// The values Kafka's own tests (`UtilsTest.testMurmur2`) and kafkajs's murmur2 give.
+    #[test]
+    fn murmur2_agrees_with_kafkas_java_client() {
+        for (key, hash) in [
+            ("21", -973932308),
+            ("foobar", -790332482),
+            ("a-little-bit-long-string", -985981536),
+            ("a-little-bit-longer-string", -1486304829),
+            ("lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
+            ("abc", 479470107),
+        ] {
+            assert_eq!(super::murmur2(key.as_bytes()), hash, "{key}");
+        }
+    }
 }

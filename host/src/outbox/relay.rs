@@ -149,6 +149,7 @@ pub fn producer(
             message_timeout.map_or(0, |t| t.as_millis()).to_string(),
         )
         .set("linger.ms", linger_ms.to_string())
+        .set("partitioner", kafka.partitioner.librdkafka_name())
         .set("retry.backoff.ms", "50")
         .set("retry.backoff.max.ms", "1000")
         .set("reconnect.backoff.ms", "50")
