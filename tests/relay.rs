@@ -363,15 +363,47 @@ async fn kcat_reads_key_value_and_headers() {
         panic!("kcat is not installed: `cargo xtask test` installs it (apt-get install kcat)");
     };
     let host = spawn_host(&["orders"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    // kcat as a user runs it: with the system's librdkafka, not the one cargo's
+    // LD_LIBRARY_PATH would hand it from this build.
+    let kcat_cmd = || {
+        let mut cmd = tokio::process::Command::new(&kcat);
+        cmd.env_remove("LD_LIBRARY_PATH");
+        cmd
+    };
+    let metadata = kcat_cmd()
+        .args(["-b", &bootstrap, "-L", "-m", "10"])
+        .output()
+        .await
+        .unwrap();
+    let external = std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.trim().is_empty());
+    if !metadata.status.success() || String::from_utf8_lossy(&metadata.stderr).contains("ERROR") {
+        let version = kcat_cmd().arg("-V").output().await.unwrap();
+        let why = format!(
+            "kcat {} cannot talk to the broker at {bootstrap}: {}",
+            String::from_utf8_lossy(&version.stdout)
+                .lines()
+                .find(|l| l.starts_with("Version"))
+                .unwrap_or("(version unknown)")
+                .trim(),
+            String::from_utf8_lossy(&metadata.stderr).trim()
+        );
+        // Debian's kcat (librdkafka 2.0.2) cannot talk to tansu 0.6.0: that pair is skipped,
+        // and says so. Against the mock cluster it must work.
+        assert!(external, "{why}");
+        eprintln!("SKIPPED kcat against the external broker: {why}");
+        host.shutdown().await;
+        return;
+    }
     let a = host
         .command("orders", "CreateOrder", json!({ "customerId": "kc", "amount": 7.5 }))
         .await;
     let order_id = a.body["orderId"].as_str().unwrap().to_string();
     all_published(&host, 1).await;
-    let out = tokio::process::Command::new(kcat)
+    let out = kcat_cmd()
         .args([
             "-b",
-            &host.host.brokers.bootstrap,
+            &bootstrap,
             "-C",
             "-t",
             &host.topic("order.events"),
