@@ -18,6 +18,9 @@ struct Cli {
     /// A TOML config file. Environment variables (OBX_SECTION__KEY, DATABASE_URL) override it.
     #[arg(long, short, global = true, env = "OBX_CONFIG")]
     config: Option<PathBuf>,
+    /// How the log is written (to stderr): `text`, or `json`, one object per line.
+    #[arg(long, global = true, env = "OBX_LOG_FORMAT", value_enum, default_value_t = crate::telemetry::LogFormat::Text)]
+    log_format: crate::telemetry::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -145,7 +148,7 @@ enum PluginCommand {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    crate::telemetry::init_logging();
+    crate::telemetry::init_logging(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

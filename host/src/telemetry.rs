@@ -6,21 +6,28 @@ use std::sync::{Mutex, OnceLock};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::EnvFilter;
 
-/// Installs the log subscriber: `RUST_LOG` filters (default `info`), and
-/// `OBX_LOG_FORMAT=json` switches to one JSON object per line. Colours only on a terminal
-/// (a log written to a file or a pipe has no escape codes), and never with `NO_COLOR` set.
-pub fn init_logging() {
+/// How the log is written: `--log-format`, or `OBX_LOG_FORMAT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for a log collector.
+    Json,
+}
+
+/// Installs the log subscriber: `RUST_LOG` filters (default `info`), in `format`. Colours
+/// only in text on a terminal (a log written to a file or a pipe has no escape codes), and
+/// never with `NO_COLOR` set.
+pub fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(colour)
         .with_writer(std::io::stderr);
-    let result = if std::env::var("OBX_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
+    let result = match format {
+        LogFormat::Json => builder.with_ansi(false).json().try_init(),
+        LogFormat::Text => builder.with_ansi(colour).try_init(),
     };
     // A second init (tests start several hosts in one process) keeps the first subscriber.
     drop(result);

@@ -93,13 +93,23 @@ impl Drop for KillOnDrop {
     }
 }
 
-#[test]
-fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
+/// A host that `obx serve` runs.
+struct Served {
+    child: KillOnDrop,
+    /// Its log lines, collected until it exits.
+    log: std::thread::JoinHandle<Vec<String>>,
+    base: String,
+    _plugins: tempfile::TempDir,
+}
+
+/// `obx serve` on the embedded default with `args`, serving the orders plugin on a free port.
+fn serve(args: &[&str]) -> Served {
     let plugins = tempfile::tempdir().unwrap();
     std::fs::copy(plugin("orders"), plugins.path().join("orders.wasm")).unwrap();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut child = KillOnDrop(
         obx()
+            .args(args)
             .arg("serve")
             .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
             .env("OBX_PLUGINS__DIR", plugins.path())
@@ -109,8 +119,39 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     );
     let stderr = child.0.stderr.take().unwrap();
     let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
+    Served {
+        child,
+        log,
+        base: format!("http://127.0.0.1:{port}"),
+        _plugins: plugins,
+    }
+}
 
-    let base = format!("http://127.0.0.1:{port}");
+/// Sends SIGTERM and waits (15 s at most) for the host to stop: its exit status.
+fn stop(child: &mut KillOnDrop) -> std::process::ExitStatus {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    let stopping = Instant::now();
+    loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(15),
+            "the host did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
+    let Served {
+        mut child,
+        log,
+        base,
+        _plugins,
+    } = serve(&[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = reqwest::Client::new();
     rt.block_on(async {
@@ -141,24 +182,41 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
         );
     }
 
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
-    let stopping = Instant::now();
-    let status = loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            stopping.elapsed() < Duration::from_secs(15),
-            "the host did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = stop(&mut child);
     let log = log.join().unwrap().join("\n");
     assert!(status.success(), "exit status {status}; log:\n{log}");
     assert!(log.contains("throwaway Postgres"), "{log}");
     assert!(
         !log.contains('\x1b'),
         "a log written to a pipe has colour codes:\n{log}"
+    );
+}
+
+#[test]
+fn a_json_log_is_one_object_per_line_and_an_unknown_format_is_refused() {
+    let Served {
+        mut child,
+        log,
+        base,
+        _plugins,
+    } = serve(&["--log-format", "json"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(wait_ready(&reqwest::Client::new(), &base, Duration::from_secs(60)));
+    let status = stop(&mut child);
+    let log = log.join().unwrap();
+    assert!(status.success(), "exit status {status}; log:\n{}", log.join("\n"));
+    assert!(log.len() >= 3, "{log:?}");
+    for line in &log {
+        let entry: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(entry["level"].is_string() && entry["fields"].is_object(), "{line}");
+    }
+    assert!(log.iter().any(|l| l.contains("throwaway Postgres")), "{log:?}");
+
+    let out = obx().args(["--log-format", "yaml", "status"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("yaml") && stderr.contains("json") && stderr.contains("text"),
+        "{stderr}"
     );
 }

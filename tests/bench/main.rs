@@ -142,7 +142,7 @@ enum Bench {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    obx::telemetry::init_logging();
+    obx::telemetry::init_logging(obx::telemetry::LogFormat::Text);
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         match cli.bench {
