@@ -992,3 +992,47 @@ async fn events_from_a_kafkajs_producer_following_the_seed_are_consumed() {
     assert_eq!((key.as_str(), seq), ("order-7", 7));
     host.shutdown().await;
 }
+
+/// `obx status` counts what waits on each partition a consumer reads, including one where
+/// nothing was ever committed (librdkafka calls its lag unknown): here the first event of a
+/// partition keeps failing, so it and the event behind it wait.
+#[tokio::test]
+async fn consumer_lag_counts_events_held_up_on_a_partition_with_nothing_committed() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.consumer.max_attempts = 1000;
+        c.consumer.backoff_initial = Duration::from_millis(500);
+        c.consumer.backoff_max = Duration::from_millis(500);
+    })
+    .await;
+    let lag = || async {
+        let status = host.get("/v1/status").await;
+        status.body["consumption"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["plugin"] == "testbed"))
+            .map(|r| r["lag"].clone())
+    };
+    eventually(Duration::from_secs(20), "no lag, known, before any event", || async {
+        lag().await == Some(json!(0))
+    })
+    .await;
+    let p = producer(&host.host.brokers.bootstrap);
+    send_event(
+        &p,
+        &host.topic(DEDUP),
+        "A",
+        "Thing",
+        &json!({ "seq": 1, "poison": true }),
+    )
+    .await;
+    let behind = send_event(&p, &host.topic(DEDUP), "A", "Thing", &json!({ "seq": 2 })).await;
+    eventually(Duration::from_secs(20), "a lag of the two waiting events", || async {
+        lag().await == Some(json!(2))
+    })
+    .await;
+    assert_eq!(
+        effects(&host, behind).await,
+        0,
+        "the event behind the failing one waits"
+    );
+    host.shutdown().await;
+}

@@ -290,19 +290,44 @@ pub struct LagReporter {
 
 impl rdkafka::ClientContext for LagReporter {
     fn stats(&self, statistics: rdkafka::Statistics) {
+        let mut lags = Vec::new();
         for (topic, t) in statistics.topics {
             for (id, p) in t.partitions {
-                // -1 is librdkafka's internal "unassigned" partition; a negative lag is unknown.
-                if id < 0 || p.consumer_lag < 0 {
-                    continue;
+                if let Some(lag) = partition_lag(id, &p) {
+                    metrics::gauge!("obx_consumer_lag", "plugin" => self.plugin.clone(), "topic" => topic.clone(),
+                        "partition" => id.to_string())
+                    .set(lag as f64);
+                    lags.push((topic.clone(), id, lag));
                 }
-                metrics::gauge!("obx_consumer_lag", "plugin" => self.plugin.clone(), "topic" => topic.clone(),
-                    "partition" => id.to_string())
-                .set(p.consumer_lag as f64);
-                self.lag.set(&self.plugin, &topic, id, p.consumer_lag);
             }
         }
+        // Partitions handed to another host: their lag is that host's to report now.
+        for (topic, id) in self.lag.replace(&self.plugin, lags) {
+            metrics::gauge!("obx_consumer_lag", "plugin" => self.plugin.clone(), "topic" => topic,
+                "partition" => id.to_string())
+            .set(0.0);
+        }
     }
+}
+
+/// The lag of a partition this consumer reads: the messages after its committed offset. A
+/// partition with nothing committed yet counts from its start (so an empty one has no lag,
+/// where librdkafka's own figure says "unknown"). `None` for a partition it does not read
+/// (librdkafka's statistics list every partition of a topic), or whose end is not known yet.
+fn partition_lag(id: i32, p: &rdkafka::statistics::Partition) -> Option<i64> {
+    // -1 is librdkafka's internal "unassigned" partition.
+    if id < 0 || !p.desired || p.hi_offset < 0 {
+        return None;
+    }
+    if p.consumer_lag >= 0 {
+        return Some(p.consumer_lag);
+    }
+    let from = if p.committed_offset >= 0 {
+        p.committed_offset
+    } else {
+        p.lo_offset.max(0)
+    };
+    Some((p.hi_offset - from).max(0))
 }
 
 /// Logs each change of the consumer's partitions: what an operator reads to see a failover.
