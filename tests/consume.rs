@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use obx_tests::{
-    broker, eventually, metric_value, producer, send_event, send_event_with_id, send_raw, spawn_host, spawn_host_on,
-    spawn_host_with, TestBroker, TestHost,
+    broker, consume, eventually, metric_value, producer, send_event, send_event_with_id, send_raw, spawn_host,
+    spawn_host_on, spawn_host_with, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -1033,6 +1033,93 @@ async fn consumer_lag_counts_events_held_up_on_a_partition_with_nothing_committe
         effects(&host, behind).await,
         0,
         "the event behind the failing one waits"
+    );
+    host.shutdown().await;
+}
+
+/// CloudEvents in Kafka's binary mode, both ways: OBX's messages on a topic configured for it
+/// carry the `ce_*` headers (and those of other topics do not), and a message that is only
+/// a CloudEvent (no `eventId`, an id that is not a UUID) is handled once per source and id.
+#[tokio::test]
+async fn cloudevents_go_out_in_binary_mode_and_cloudevents_only_messages_are_handled_once() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.kafka.cloudevents.topics = vec!["testbed.alpha".into()];
+        c.kafka.cloudevents.source = "//orders.example.com".into();
+    })
+    .await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    for topic in ["testbed.alpha", "testbed.beta"] {
+        let a = host
+            .command("testbed", "emit", json!({ "id": "ce", "topic": topic, "key": "agg-1" }))
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+    }
+    let row: (uuid::Uuid, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT event_id, created_at FROM obx.outbox_event WHERE topic = 'testbed.alpha'")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    let alpha = consume(&bootstrap, &host.topic("testbed.alpha"), 1, Duration::from_secs(20)).await;
+    let m = &alpha[0];
+    assert_eq!(m.header("ce_specversion"), Some("1.0"));
+    assert_eq!(m.header("ce_id"), Some(row.0.to_string().as_str()));
+    assert_eq!(m.header("eventId"), m.header("ce_id"), "the seed's headers stay");
+    assert_eq!(m.header("ce_type"), Some("ItemEmitted"));
+    assert_eq!(m.header("ce_source"), Some("//orders.example.com/testbed"));
+    assert_eq!(m.header("ce_subject"), Some("agg-1"));
+    assert_eq!(m.header("content-type"), Some("application/json"));
+    let time = chrono::DateTime::parse_from_rfc3339(m.header("ce_time").unwrap()).unwrap();
+    assert_eq!(time, row.1, "ce_time is the row's time, in RFC 3339");
+    let beta = consume(&bootstrap, &host.topic("testbed.beta"), 1, Duration::from_secs(20)).await;
+    assert!(beta[0].header("eventId").is_some());
+    assert!(
+        beta[0].headers.keys().all(|k| !k.starts_with("ce_")),
+        "a topic not configured has no CloudEvents headers: {:?}",
+        beta[0].headers
+    );
+
+    // A CloudEvents-only producer: the same event twice, and an equal id from another source.
+    let p = producer(&bootstrap);
+    let topic = host.topic(DEDUP);
+    let cloudevent = |source: &'static str, seq: &'static [u8]| {
+        let (p, topic) = (p.clone(), topic.clone());
+        async move {
+            let headers: [(&str, &[u8]); 5] = [
+                ("ce_specversion", b"1.0"),
+                ("ce_id", b"invoice-42"),
+                ("ce_source", source.as_bytes()),
+                ("ce_type", b"com.example.InvoicePaid"),
+                ("content-type", b"application/json"),
+            ];
+            let value = [&b"{\"seq\": "[..], seq, b"}"].concat();
+            send_raw(&p, &topic, Some(b"inv-42"), Some(&value), &headers).await;
+        }
+    };
+    cloudevent("/billing", b"1").await;
+    cloudevent("/billing", b"1").await;
+    cloudevent("/refunds", b"2").await;
+    let billing = obx::inbox::cloudevent_id("/billing", "invoice-42");
+    let refunds = obx::inbox::cloudevent_id("/refunds", "invoice-42");
+    eventually(Duration::from_secs(20), "both sources' events handled", || async {
+        effects(&host, billing).await >= 1 && effects(&host, refunds).await >= 1
+    })
+    .await;
+    // A later event of the key proves the second copy was consumed too.
+    let later = send_event(&p, &topic, "inv-42", "Thing", &json!({ "seq": 3 })).await;
+    eventually(Duration::from_secs(20), "the later event", || async {
+        effects(&host, later).await == 1
+    })
+    .await;
+    assert_eq!(
+        effects(&host, billing).await,
+        1,
+        "the redelivered CloudEvent took effect once"
+    );
+    assert_eq!(effects(&host, refunds).await, 1);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.quarantine").await,
+        0,
+        "nothing quarantined"
     );
     host.shutdown().await;
 }

@@ -532,7 +532,11 @@ async fn replay_republishes_stored_events_marked_as_replays() {
         aggregate_id: Some("a".into()),
         ..Default::default()
     };
-    let sent = obx::outbox::replay::replay(&host.db, &producer, &host.topic_prefix, &filter)
+    let kafka = obx::config::KafkaConfig {
+        topic_prefix: host.topic_prefix.clone(),
+        ..Default::default()
+    };
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &kafka, &filter)
         .await
         .unwrap();
     assert_eq!(sent, 2);
@@ -544,7 +548,7 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     assert_eq!(replays.len(), 2);
     assert!(replays.iter().all(|m| m.key.as_deref() == Some("a")));
     // Without a filter, replay refuses to send the whole outbox.
-    let all = obx::outbox::replay::replay(&host.db, &producer, &host.topic_prefix, &Default::default()).await;
+    let all = obx::outbox::replay::replay(&host.db, &producer, &kafka, &Default::default()).await;
     assert!(all.is_err());
     host.shutdown().await;
 }

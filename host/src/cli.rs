@@ -425,7 +425,7 @@ async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::R
         config.relay.linger_ms,
         Some(std::time::Duration::from_secs(30)),
     )?;
-    let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka.topic_prefix, &filter).await?;
+    let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter).await?;
     println!("replayed {sent} events");
     Ok(ExitCode::SUCCESS)
 }

@@ -284,6 +284,8 @@ pub struct KafkaConfig {
     /// other clients that follow it: a key goes to the same partition whichever of them sends
     /// it. `consistent_random` is librdkafka's own default (CRC-32), what OBX used before.
     pub partitioner: Partitioner,
+    /// CloudEvents binary mode for some topics: see [`CloudEventsConfig`].
+    pub cloudevents: CloudEventsConfig,
     /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
     /// OBX's own settings. Values are kept as secrets: `obx config check --print` shows
     /// only those whose names say nothing of passwords, keys, secrets or tokens.
@@ -301,8 +303,39 @@ impl Default for KafkaConfig {
             create_topics: true,
             topic_partitions: -1,
             partitioner: Partitioner::Murmur2Random,
+            cloudevents: CloudEventsConfig::default(),
             properties: BTreeMap::new(),
         }
+    }
+}
+
+/// CloudEvents 1.0 in Kafka's binary mode: the messages of `topics` carry `ce_specversion`,
+/// `ce_id` (the event id), `ce_type`, `ce_source`, `ce_subject` (the aggregate id),
+/// `ce_time` and `content-type` next to the seed's headers, so that Knative, Dapr, Event
+/// Grid and other CloudEvents readers take them as they are.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CloudEventsConfig {
+    /// Topics, as plugins name them (without `topic_prefix`); `"*"`: every topic.
+    pub topics: Vec<String>,
+    /// The start of each event's `ce_source`, which goes on with `/` and the emitting
+    /// plugin's name: `/obx/orders` by default.
+    pub source: String,
+}
+
+impl Default for CloudEventsConfig {
+    fn default() -> Self {
+        CloudEventsConfig {
+            topics: Vec::new(),
+            source: "/obx".into(),
+        }
+    }
+}
+
+impl CloudEventsConfig {
+    /// Whether the messages of `topic` (without the prefix) carry CloudEvents headers.
+    pub fn covers(&self, topic: &str) -> bool {
+        self.topics.iter().any(|t| t == "*" || t == topic)
     }
 }
 

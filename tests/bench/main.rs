@@ -812,7 +812,7 @@ async fn raw_produce(producer: &FutureProducer, rows: &[OutboxRow], topic: &str)
                 .key(row.partition_key.as_str())
                 .payload(row.payload.as_str())
                 .timestamp(row.created_at.timestamp_millis())
-                .headers(row.headers());
+                .headers(row.headers(&Default::default()));
             match producer.send_result(record) {
                 Ok(d) => {
                     deliveries.push(d);

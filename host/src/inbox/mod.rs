@@ -57,8 +57,8 @@ pub struct Incoming {
 pub struct Quarantine(pub String);
 
 impl Incoming {
-    /// Validates a Kafka message: a UUID `eventId` header, an `eventType` header, a UTF-8
-    /// key (if any), and a JSON value of at most `max_bytes`. The topic loses `topic_prefix`.
+    /// Validates a Kafka message: an event id and type (see [`identity`]), a UTF-8 key (if
+    /// any), and a JSON value of at most `max_bytes`. The topic loses `topic_prefix`.
     pub fn parse(m: &impl Message, max_bytes: usize, topic_prefix: &str) -> Result<Incoming, Quarantine> {
         let q = |reason: String| Quarantine(reason);
         let value = m.payload().ok_or_else(|| q("the message has no value".into()))?;
@@ -77,16 +77,7 @@ impl Incoming {
             ),
         };
         let headers = utf8_headers(m);
-        let event_id = headers
-            .get("eventId")
-            .ok_or_else(|| q("the message has no eventId header".into()))?;
-        let event_id =
-            Uuid::parse_str(event_id).map_err(|_| q(format!("the eventId header {event_id:?} is not a UUID")))?;
-        let event_type = headers
-            .get("eventType")
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| q("the message has no eventType header".into()))?
-            .clone();
+        let (event_id, event_type) = identity(&headers).map_err(q)?;
         let payload = std::str::from_utf8(value).map_err(|_| q("the value is not UTF-8".into()))?;
         serde_json::from_str::<serde::de::IgnoredAny>(payload).map_err(|e| q(format!("the value is not JSON: {e}")))?;
         Ok(Incoming {
@@ -104,6 +95,49 @@ impl Incoming {
     pub fn headers_json(&self) -> Value {
         serde_json::to_value(&self.headers).unwrap_or(Value::Null)
     }
+}
+
+/// The namespace of the event ids made from CloudEvents' `ce_source` and `ce_id`.
+const CLOUDEVENTS_ID_NAMESPACE: Uuid = uuid::uuid!("3eccc7b8-082c-47ea-8cb3-65a466f6cfcb");
+
+/// An event's id and type: the seed's `eventId` (a UUID) and `eventType` headers; or, on a
+/// message that has no `eventId` and is a CloudEvent in Kafka's binary mode
+/// (`ce_specversion` 1.x), its `ce_id` and `ce_type`. A CloudEvent is identified by its
+/// source and id together, so a `ce_id` that is not a UUID becomes the UUID v5 of
+/// `ce_source` and `ce_id`: a redelivered CloudEvent is the same event, and two sources'
+/// equal ids are not.
+fn identity(headers: &BTreeMap<String, String>) -> Result<(Uuid, String), String> {
+    let cloudevent = headers.get("ce_specversion").is_some_and(|v| v.starts_with("1."));
+    if !headers.contains_key("eventId") && cloudevent {
+        let id = headers
+            .get("ce_id")
+            .filter(|i| !i.is_empty())
+            .ok_or("the CloudEvent has no ce_id header")?;
+        let source = headers
+            .get("ce_source")
+            .filter(|s| !s.is_empty())
+            .ok_or("the CloudEvent has no ce_source header")?;
+        let event_type = headers
+            .get("ce_type")
+            .filter(|t| !t.is_empty())
+            .ok_or("the CloudEvent has no ce_type header")?;
+        return Ok((cloudevent_id(source, id), event_type.clone()));
+    }
+    let event_id = headers
+        .get("eventId")
+        .ok_or("the message has no eventId header (nor is it a CloudEvent with ce_id)")?;
+    let event_id = Uuid::parse_str(event_id).map_err(|_| format!("the eventId header {event_id:?} is not a UUID"))?;
+    let event_type = headers
+        .get("eventType")
+        .filter(|t| !t.is_empty())
+        .ok_or("the message has no eventType header")?;
+    Ok((event_id, event_type.clone()))
+}
+
+/// The event id a CloudEvents-only message gets: see [`identity`].
+pub fn cloudevent_id(source: &str, id: &str) -> Uuid {
+    Uuid::parse_str(id)
+        .unwrap_or_else(|_| Uuid::new_v5(&CLOUDEVENTS_ID_NAMESPACE, format!("{source}\n{id}").as_bytes()))
 }
 
 /// Headers whose value is UTF-8, by name (the last one wins).
@@ -183,6 +217,45 @@ mod tests {
         ];
         for (m, needle) in cases {
             let e = Incoming::parse(&m, 1024, "").unwrap_err();
+            assert!(e.0.contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_cloudevents_only_message_is_an_event_named_by_its_source_and_id() {
+        let ce = |id: &'static [u8], source: &'static [u8]| {
+            message(
+                Some(b"k"),
+                Some(b"{}"),
+                &[
+                    ("ce_specversion", b"1.0"),
+                    ("ce_id", id),
+                    ("ce_source", source),
+                    ("ce_type", b"com.example.Thing"),
+                ],
+            )
+        };
+        let a = Incoming::parse(&ce(b"evt-42", b"/billing"), 1024, "").unwrap();
+        assert_eq!(a.event_type, "com.example.Thing");
+        let again = Incoming::parse(&ce(b"evt-42", b"/billing"), 1024, "").unwrap();
+        let elsewhere = Incoming::parse(&ce(b"evt-42", b"/shipping"), 1024, "").unwrap();
+        assert_eq!(a.event_id, again.event_id, "a redelivery is the same event");
+        assert_ne!(a.event_id, elsewhere.event_id, "another source's id is another event");
+        let uuid = Incoming::parse(&ce(ID, b"/billing"), 1024, "").unwrap();
+        assert_eq!(uuid.event_id.to_string().as_bytes(), ID, "a UUID ce_id is the event id");
+        for (missing, needle) in [
+            ("ce_source", "no ce_source"),
+            ("ce_type", "no ce_type"),
+            ("ce_id", "no ce_id"),
+        ] {
+            let mut headers = vec![
+                ("ce_specversion", &b"1.0"[..]),
+                ("ce_id", b"x"),
+                ("ce_source", b"/s"),
+                ("ce_type", b"T"),
+            ];
+            headers.retain(|(k, _)| *k != missing);
+            let e = Incoming::parse(&message(None, Some(b"{}"), &headers), 1024, "").unwrap_err();
             assert!(e.0.contains(needle), "{e}");
         }
     }

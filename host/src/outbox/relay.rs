@@ -50,7 +50,7 @@ use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
-use crate::config::{KafkaConfig, RelayConfig};
+use crate::config::{CloudEventsConfig, KafkaConfig, RelayConfig};
 use crate::db::locks::LockSpace;
 use crate::kafka::Brokers;
 
@@ -88,37 +88,38 @@ pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggr
 impl OutboxRow {
     /// The Kafka headers of this row. The first two are named as in the seed, so that
     /// services following it can read them; `obx-plugin` names the plugin that emitted it
-    /// (from the session it was written on), and `traceparent` carries the trace on.
-    pub fn headers(&self) -> OwnedHeaders {
+    /// (from the session it was written on), and `traceparent` carries the trace on. Where
+    /// `cloudevents` covers the row's topic, CloudEvents' binary-mode headers follow.
+    pub fn headers(&self, cloudevents: &CloudEventsConfig) -> OwnedHeaders {
         let event_id = self.event_id.to_string();
-        let headers = OwnedHeaders::new_with_capacity(6)
-            .insert(Header {
-                key: "eventId",
-                value: Some(event_id.as_str()),
-            })
-            .insert(Header {
-                key: "eventType",
-                value: Some(self.event_type.as_str()),
-            })
-            .insert(Header {
-                key: "aggregateType",
-                value: Some(self.aggregate_type.as_str()),
-            })
-            .insert(Header {
-                key: "aggregateId",
-                value: Some(self.aggregate_id.as_str()),
-            })
-            .insert(Header {
-                key: "obx-plugin",
-                value: Some(self.plugin_name.as_str()),
+        let mut headers = OwnedHeaders::new_with_capacity(13);
+        let mut add = |key: &str, value: &str| {
+            headers = std::mem::take(&mut headers).insert(Header {
+                key,
+                value: Some(value),
             });
-        match &self.traceparent {
-            Some(t) => headers.insert(Header {
-                key: "traceparent",
-                value: Some(t.as_str()),
-            }),
-            None => headers,
+        };
+        add("eventId", &event_id);
+        add("eventType", &self.event_type);
+        add("aggregateType", &self.aggregate_type);
+        add("aggregateId", &self.aggregate_id);
+        add("obx-plugin", &self.plugin_name);
+        if let Some(t) = &self.traceparent {
+            add("traceparent", t);
         }
+        if cloudevents.covers(&self.topic) {
+            add("ce_specversion", "1.0");
+            add("ce_id", &event_id);
+            add("ce_type", &self.event_type);
+            add("ce_source", &format!("{}/{}", cloudevents.source, self.plugin_name));
+            add("ce_subject", &self.aggregate_id);
+            add(
+                "ce_time",
+                &self.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            );
+            add("content-type", "application/json");
+        }
+        headers
     }
 
     /// The Kafka record of this row, for `topic` (the row's topic with the configured prefix).
@@ -438,7 +439,7 @@ impl Relay {
                 sent.push(row);
                 continue;
             }
-            match producer.send_result(row.record(topic, row.headers())) {
+            match producer.send_result(row.record(topic, row.headers(&self.kafka.cloudevents))) {
                 Ok(delivery) => {
                     st.inflight.insert(row.id, (row.shard, Instant::now(), delivery));
                     sent.push(row);

@@ -34,7 +34,7 @@ const PAGE: i64 = 1000;
 pub async fn replay(
     pool: &PgPool,
     producer: &FutureProducer,
-    topic_prefix: &str,
+    kafka: &crate::config::KafkaConfig,
     filter: &ReplayFilter,
 ) -> Result<u64> {
     let f = filter;
@@ -74,11 +74,11 @@ pub async fn replay(
         after = last.id;
         let mut deliveries = Vec::with_capacity(rows.len());
         for row in &rows {
-            let headers = row.headers().insert(Header {
+            let headers = row.headers(&kafka.cloudevents).insert(Header {
                 key: REPLAY_HEADER,
                 value: Some("true"),
             });
-            let topic = format!("{topic_prefix}{}", row.topic);
+            let topic = format!("{}{}", kafka.topic_prefix, row.topic);
             let delivery = producer
                 .send_result(row.record(&topic, headers))
                 .map_err(|(e, _)| e)
