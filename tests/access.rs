@@ -109,6 +109,18 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
         ("GET", "/metrics", None, 401),
         ("GET", "/metrics", Some(&cmd), 403),
         ("GET", "/metrics", Some(&adm), 200),
+        ("GET", "/v1/dlq", None, 401),
+        ("GET", "/v1/dlq", Some(&cmd), 403),
+        ("GET", "/v1/dlq", Some(&adm), 200),
+        ("POST", "/v1/dlq/1/retry", None, 401),
+        ("POST", "/v1/dlq/1/discard", Some(&cmd), 403),
+        ("POST", "/v1/dlq/1/retry", Some(&adm), 404), // nothing parked
+        ("GET", "/v1/quarantine", None, 401),
+        ("GET", "/v1/quarantine", Some(&cmd), 403),
+        ("GET", "/v1/quarantine", Some(&adm), 200),
+        ("POST", "/v1/outbox/replay", None, 401),
+        ("POST", "/v1/outbox/replay", Some(&cmd), 403),
+        ("POST", "/v1/outbox/replay", Some(&adm), 422), // a command's body is not a filter
         ("GET", "/healthz", None, 200),
         ("GET", "/readyz", None, 200),
     ];

@@ -163,6 +163,9 @@ pub async fn start(config: Config) -> Result<Host> {
         ready: ready.clone(),
         metrics,
         lag,
+        brokers: brokers.clone(),
+        kafka: config.kafka.clone(),
+        linger_ms: config.relay.linger_ms,
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await

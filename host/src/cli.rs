@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use crate::config::Config;
+use sqlx::PgPool;
 
 #[derive(Parser)]
 #[command(
@@ -38,24 +39,25 @@ enum Command {
     },
     /// Outbox tools.
     Outbox {
+        #[command(flatten)]
+        host: HostArgs,
         #[command(subcommand)]
         command: OutboxCommand,
     },
     /// A terminal summary of a running host: plugins, outbox backlog, consumer lag, dead
     /// letters, errors.
     Status {
-        /// The host's address; default: http.listen of the configuration.
-        #[arg(long)]
-        url: Option<String>,
+        #[command(flatten)]
+        host: HostArgs,
         /// Print the raw JSON of GET /v1/status.
         #[arg(long)]
         json: bool,
-        /// An admin token; default: the first of http.auth.admin_tokens in the configuration.
-        #[arg(long, env = "OBX_ADMIN_TOKEN", hide_env_values = true)]
-        token: Option<String>,
     },
     /// The dead-letter table: events whose handler kept failing, and quarantined messages.
+    /// Through the running host's admin API, or the database with --direct.
     Dlq {
+        #[command(flatten)]
+        host: HostArgs,
         #[command(subcommand)]
         command: DlqCommand,
     },
@@ -64,6 +66,21 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+}
+
+/// How an admin command reaches the service: a running host's admin API (the default), or,
+/// for a host that is down, the database itself (`--direct`).
+#[derive(clap::Args, Clone)]
+struct HostArgs {
+    /// The host's address; default: http.listen of the configuration.
+    #[arg(long, global = true)]
+    url: Option<String>,
+    /// An admin token; default: the first of http.auth.admin_tokens in the configuration.
+    #[arg(long, global = true, env = "OBX_ADMIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Go to the database (DATABASE_URL) and the brokers directly, not through a host.
+    #[arg(long, global = true)]
+    direct: bool,
 }
 
 #[derive(Subcommand)]
@@ -221,6 +238,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             command: PluginCommand::Check { file, json },
         } => plugin_check(cli.config, file, json).await,
         Command::Outbox {
+            host,
             command:
                 OutboxCommand::Replay {
                     from_id,
@@ -239,38 +257,78 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 aggregate_type,
                 aggregate_id,
             };
-            outbox_replay(cli.config, filter).await
+            outbox_replay(cli.config, host, filter).await
         }
-        Command::Dlq { command } => dlq(cli.config, command).await,
-        Command::Status { url, json, token } => status(cli.config, url, json, token).await,
+        Command::Dlq { host, command } => dlq(cli.config, host, command).await,
+        Command::Status { host, json } => status(cli.config, host, json).await,
         Command::Plugin {
             command: PluginCommand::Test { file, json },
         } => plugin_test(cli.config, file, json).await,
     }
 }
 
-async fn status(config: Option<PathBuf>, url: Option<String>, json: bool, token: Option<String>) -> Result<ExitCode> {
+/// A running host's admin API.
+struct Admin {
+    base: String,
+    token: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Admin {
+    fn new(config: &Config, host: &HostArgs) -> Admin {
+        let base = host
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", config.http.listen));
+        let token = host
+            .token
+            .clone()
+            .or_else(|| config.http.auth.admin_tokens.first().map(|t| t.expose().to_string()));
+        Admin {
+            base: base.trim_end_matches('/').to_string(),
+            token,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn get(&self, path: &str) -> Result<serde_json::Value> {
+        self.send(self.client.get(format!("{}{path}", self.base))).await
+    }
+
+    async fn post(&self, path: &str, body: &impl serde::Serialize) -> Result<serde_json::Value> {
+        self.send(self.client.post(format!("{}{path}", self.base)).json(body))
+            .await
+    }
+
+    async fn send(&self, mut request: reqwest::RequestBuilder) -> Result<serde_json::Value> {
+        request = request.timeout(std::time::Duration::from_secs(60));
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let base = &self.base;
+        let response = request.send().await.with_context(|| {
+            format!("reaching the host at {base} (for a host that is down: --direct, with DATABASE_URL)")
+        })?;
+        let code = response.status();
+        let body: serde_json::Value = response
+            .json()
+            .await
+            .with_context(|| format!("reading {base}'s answer"))?;
+        if !code.is_success() {
+            anyhow::bail!(
+                "{base} answered {code}: {}",
+                body["error"]["message"].as_str().unwrap_or("?")
+            );
+        }
+        Ok(body)
+    }
+}
+
+async fn status(config: Option<PathBuf>, host: HostArgs, json: bool) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
-    let base = url.unwrap_or_else(|| format!("http://{}", config.http.listen));
-    let token = token.or_else(|| config.http.auth.admin_tokens.first().map(|t| t.expose().to_string()));
-    let mut request = reqwest::Client::new()
-        .get(format!("{}/v1/status", base.trim_end_matches('/')))
-        .timeout(std::time::Duration::from_secs(10));
-    if let Some(token) = token {
-        request = request.bearer_auth(token);
-    }
-    let response = request
-        .send()
-        .await
-        .with_context(|| format!("asking {base} for its status"))?;
-    let code = response.status();
-    let body: serde_json::Value = response.json().await.context("reading the status")?;
-    if !code.is_success() {
-        anyhow::bail!(
-            "{base} answered {code}: {}",
-            body["error"]["message"].as_str().unwrap_or("?")
-        );
-    }
+    let admin = Admin::new(&config, &host);
+    let base = admin.base.clone();
+    let body = admin.get("/v1/status").await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&body)?);
         return Ok(ExitCode::SUCCESS);
@@ -336,18 +394,55 @@ async fn plugin_test(config: Option<PathBuf>, file: PathBuf, json: bool) -> Resu
     Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {
+/// Where an admin command goes: a host's API, or the database itself.
+enum Target {
+    Host(Admin),
+    Database(PgPool),
+}
+
+impl Target {
+    async fn of(config: &Config, host: &HostArgs) -> Result<Target> {
+        if !host.direct {
+            return Ok(Target::Host(Admin::new(config, host)));
+        }
+        let url = config
+            .database
+            .url
+            .as_ref()
+            .context("--direct needs the database: set DATABASE_URL or database.url")?;
+        Ok(Target::Database(
+            crate::db::connect(url.expose(), &config.database).await?,
+        ))
+    }
+}
+
+/// `?plugin=…&all=…` for the admin API.
+fn dlq_query(plugin: Option<&str>, all: bool) -> String {
+    let mut query = format!("?all={all}");
+    if let Some(p) = plugin {
+        query.push_str("&plugin=");
+        query.extend(p.bytes().map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        }));
+    }
+    query
+}
+
+async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCommand) -> Result<ExitCode> {
     use crate::inbox::dlq;
     let config = Config::load(config.as_deref())?;
-    let url = config
-        .database
-        .url
-        .as_ref()
-        .context("the dead-letter table is in the database: set DATABASE_URL")?;
-    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let target = Target::of(&config, &host).await?;
     match command {
         DlqCommand::List { plugin, all, json } => {
-            let letters = dlq::list(&pool, plugin.as_deref(), all).await?;
+            let letters: Vec<dlq::DeadLetter> = match &target {
+                Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all).await?,
+                Target::Host(admin) => serde_json::from_value(
+                    admin
+                        .get(&format!("/v1/dlq{}", dlq_query(plugin.as_deref(), all)))
+                        .await?,
+                )?,
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
             } else if letters.is_empty() {
@@ -378,18 +473,31 @@ async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {
         }
         DlqCommand::Retry { ids } => {
             for id in ids {
-                dlq::retry(&pool, id).await?;
+                match &target {
+                    Target::Database(pool) => dlq::retry(pool, id).await?,
+                    Target::Host(admin) => drop(admin.post(&format!("/v1/dlq/{id}/retry"), &()).await?),
+                }
                 println!("{id}: sent back for processing");
             }
         }
         DlqCommand::Discard { ids } => {
             for id in ids {
-                dlq::discard(&pool, id).await?;
+                match &target {
+                    Target::Database(pool) => dlq::discard(pool, id).await?,
+                    Target::Host(admin) => drop(admin.post(&format!("/v1/dlq/{id}/discard"), &()).await?),
+                }
                 println!("{id}: discarded");
             }
         }
         DlqCommand::Quarantine { plugin, json } => {
-            let rows = dlq::quarantined(&pool, plugin.as_deref()).await?;
+            let rows: Vec<dlq::Quarantined> = match &target {
+                Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref()).await?,
+                Target::Host(admin) => serde_json::from_value(
+                    admin
+                        .get(&format!("/v1/quarantine{}", dlq_query(plugin.as_deref(), false)))
+                        .await?,
+                )?,
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else if rows.is_empty() {
@@ -407,8 +515,20 @@ async fn dlq(config: Option<PathBuf>, command: DlqCommand) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn outbox_replay(config: Option<PathBuf>, filter: crate::outbox::replay::ReplayFilter) -> Result<ExitCode> {
+async fn outbox_replay(
+    config: Option<PathBuf>,
+    host: HostArgs,
+    filter: crate::outbox::replay::ReplayFilter,
+) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
+    if !host.direct {
+        if filter.is_empty() {
+            anyhow::bail!("give at least one of: an id range, a time range, an aggregate");
+        }
+        let answer = Admin::new(&config, &host).post("/v1/outbox/replay", &filter).await?;
+        println!("replayed {} events", answer["replayed"]);
+        return Ok(ExitCode::SUCCESS);
+    }
     let url = config
         .database
         .url

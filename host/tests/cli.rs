@@ -154,7 +154,7 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     } = serve(&[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = reqwest::Client::new();
-    rt.block_on(async {
+    let order_id = rt.block_on(async {
         wait_ready(&client, &base, Duration::from_secs(60)).await;
         let r = client
             .post(format!("{base}/v1/commands/orders/CreateOrder"))
@@ -163,7 +163,36 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
+        r.json::<serde_json::Value>().await.unwrap()["orderId"]
+            .as_str()
+            .unwrap()
+            .to_string()
     });
+    // The admin commands go through the host: no DATABASE_URL (the embedded database's URL
+    // is printed nowhere), and the brokers are the host's in-process mock cluster.
+    let run = |args: &[&str]| {
+        let out = obx().args(args).args(["--url", &base]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "obx {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    assert_eq!(run(&["dlq", "list"]).trim(), "no parked events");
+    assert_eq!(run(&["dlq", "quarantine"]).trim(), "no quarantined messages");
+    assert_eq!(
+        run(&["outbox", "replay", "--aggregate-id", &order_id]).trim(),
+        "replayed 1 events"
+    );
+    let refused = obx().args(["dlq", "retry", "999", "--url", &base]).output().unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("no parked dead letter with id 999"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     // `obx status`: each consumption row lines up with its header.
     let status = obx().args(["status", "--url", &base]).output().unwrap();
     let text = String::from_utf8_lossy(&status.stdout).into_owned();

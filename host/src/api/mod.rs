@@ -4,6 +4,7 @@
 //! Invariant: every error response is JSON, `{"error": {"code", "message"}}`, with a stable
 //! `code`; database text and guest internals never reach a client (they go to the log).
 
+mod admin;
 mod auth;
 mod commands;
 mod errors;
@@ -36,6 +37,10 @@ pub struct AppState {
     pub ready: Arc<AtomicBool>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     pub lag: Arc<crate::telemetry::ConsumerLag>,
+    /// For replays through the admin API: the host's brokers and Kafka settings.
+    pub brokers: Arc<crate::kafka::Brokers>,
+    pub kafka: crate::config::KafkaConfig,
+    pub linger_ms: u32,
 }
 
 pub fn router(state: AppState, http: &HttpConfig) -> Router {
@@ -47,6 +52,11 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .route("/v1/plugins", get(plugins))
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
+        .route("/v1/dlq", get(admin::dlq_list))
+        .route("/v1/dlq/{id}/retry", post(admin::dlq_retry))
+        .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
+        .route("/v1/quarantine", get(admin::quarantine))
+        .route("/v1/outbox/replay", post(admin::outbox_replay))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
     Router::new()
         .route("/healthz", get(healthz))

@@ -7,11 +7,11 @@
 //! * discards it (`obx dlq discard ID`): it is marked processed without running, and the
 //!   key's waiting events proceed.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct DeadLetter {
     pub id: i64,
     pub consumer: String,
@@ -28,7 +28,7 @@ pub struct DeadLetter {
     pub waiting: i64,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct Quarantined {
     pub id: i64,
     pub consumer: String,

@@ -15,7 +15,8 @@ use sqlx::PgPool;
 use super::relay::{OutboxRow, OUTBOX_ROW_COLUMNS};
 
 /// Which events to replay. Every given condition must hold; at least one must be given.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ReplayFilter {
     pub from_id: Option<i64>,
     pub to_id: Option<i64>,
@@ -23,6 +24,18 @@ pub struct ReplayFilter {
     pub until: Option<DateTime<Utc>>,
     pub aggregate_type: Option<String>,
     pub aggregate_id: Option<String>,
+}
+
+impl ReplayFilter {
+    /// Whether no condition was given (which would select the whole outbox).
+    pub fn is_empty(&self) -> bool {
+        self.from_id.is_none()
+            && self.to_id.is_none()
+            && self.since.is_none()
+            && self.until.is_none()
+            && self.aggregate_type.is_none()
+            && self.aggregate_id.is_none()
+    }
 }
 
 /// The header that marks a replayed message.
@@ -38,13 +51,7 @@ pub async fn replay(
     filter: &ReplayFilter,
 ) -> Result<u64> {
     let f = filter;
-    if f.from_id.is_none()
-        && f.to_id.is_none()
-        && f.since.is_none()
-        && f.until.is_none()
-        && f.aggregate_type.is_none()
-        && f.aggregate_id.is_none()
-    {
+    if f.is_empty() {
         bail!("give at least one of: an id range, a time range, an aggregate");
     }
     let mut after = f.from_id.map(|id| id - 1).unwrap_or(0);

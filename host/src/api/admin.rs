@@ -1,0 +1,114 @@
+//! The admin endpoints that `obx dlq` and `obx outbox replay` use against a running host, so
+//! that an operator needs the host's address and an admin token, not its database URL (the
+//! embedded default has none to give) nor its brokers (the embedded mock cluster lives in the
+//! host's process).
+//!
+//! * `GET /v1/dlq?plugin=&all=` — dead letters, newest first;
+//! * `POST /v1/dlq/{id}/retry`, `POST /v1/dlq/{id}/discard`;
+//! * `GET /v1/quarantine?plugin=` — quarantined messages;
+//! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`.
+
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{error_response, AppState};
+use crate::inbox::dlq::{self, DlqError};
+use crate::outbox::replay::ReplayFilter;
+
+#[derive(Deserialize)]
+pub struct DlqQuery {
+    plugin: Option<String>,
+    #[serde(default)]
+    all: bool,
+}
+
+pub async fn dlq_list(State(state): State<AppState>, Query(q): Query<DlqQuery>) -> Response {
+    match dlq::list(&state.pool, q.plugin.as_deref(), q.all).await {
+        Ok(letters) => Json(letters).into_response(),
+        Err(e) => database_error(e.into()),
+    }
+}
+
+pub async fn dlq_retry(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
+    resolved(id, "retried", dlq::retry(&state.pool, id).await)
+}
+
+pub async fn dlq_discard(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
+    resolved(id, "discarded", dlq::discard(&state.pool, id).await)
+}
+
+fn resolved(id: i64, status: &str, result: Result<(), DlqError>) -> Response {
+    match result {
+        Ok(()) => Json(json!({ "id": id, "status": status })).into_response(),
+        Err(e @ DlqError::NotParked(_)) => error_response(StatusCode::NOT_FOUND, "not_parked", &e.to_string()),
+        Err(DlqError::Database(e)) => database_error(e.into()),
+    }
+}
+
+pub async fn quarantine(State(state): State<AppState>, Query(q): Query<DlqQuery>) -> Response {
+    match dlq::quarantined(&state.pool, q.plugin.as_deref()).await {
+        Ok(rows) => Json(rows).into_response(),
+        Err(e) => database_error(e.into()),
+    }
+}
+
+/// Publishes the stored events the filter selects again, through a producer of its own (the
+/// relay's is not shared: a replay must not hold up new events, nor they it).
+pub async fn outbox_replay(State(state): State<AppState>, Json(filter): Json<ReplayFilter>) -> Response {
+    if filter.is_empty() {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "give at least one of: an id range, a time range, an aggregate",
+        );
+    }
+    let producer = match crate::outbox::relay::producer(
+        &state.brokers,
+        &state.kafka,
+        state.linger_ms,
+        Some(Duration::from_secs(30)),
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), "no producer for an outbox replay");
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kafka_unavailable",
+                "the host could not make a Kafka producer; see its log",
+            );
+        }
+    };
+    let result = crate::outbox::replay::replay(&state.pool, &producer, &state.kafka, &filter).await;
+    // Dropping a producer waits for its threads: off the async workers.
+    let _ = tokio::task::spawn_blocking(move || drop(producer)).await;
+    match result {
+        Ok(n) => Json(json!({ "replayed": n })).into_response(),
+        Err(e) => {
+            // Database and broker text goes to the log, not to the client.
+            tracing::warn!(error = format!("{e:#}"), "outbox replay failed");
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "replay_failed",
+                "the replay did not finish (events already sent stay sent); see the host's log",
+            )
+        }
+    }
+}
+
+fn database_error(e: anyhow::Error) -> Response {
+    tracing::warn!(
+        error = format!("{e:#}"),
+        "an admin request could not reach the database"
+    );
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database_unavailable",
+        "Postgres does not answer",
+    )
+}
