@@ -70,7 +70,7 @@ pub async fn start(config: Config) -> Result<Host> {
     warn_if_superuser(&pool).await;
     let sessions = Arc::new(Sessions::new(&url, pool.clone(), &config.database)?);
 
-    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_dir().as_deref())?;
+    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_settings())?;
     let registry = Arc::new(Registry::new(sessions.clone()));
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 

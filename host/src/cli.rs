@@ -553,8 +553,10 @@ async fn outbox_replay(
 async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
     let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-    // Offline and side-effect free: no compile cache.
-    let runtime = crate::runtime::Runtime::new(config.limits, None)?;
+    // Offline: no database, no broker. It shares the host's compile cache, so a second check
+    // of a file is quick.
+    let runtime = crate::runtime::Runtime::new(config.limits, config.plugins.cache_settings())?;
+    let started = std::time::Instant::now();
     match crate::runtime::loader::load(&runtime, bytes).await {
         Ok(plugin) => {
             let m = &plugin.manifest;
@@ -564,6 +566,15 @@ async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Res
                 println!("{}: ok", file.display());
                 println!("  plugin        {} {}", m.name, m.version);
                 println!("  sha256        {}", plugin.sha256);
+                println!(
+                    "  compiled      {} ({:.1} s)",
+                    if plugin.from_cache {
+                        "from the compile cache"
+                    } else {
+                        "now"
+                    },
+                    started.elapsed().as_secs_f64()
+                );
                 println!("  commands      {}", m.commands.join(", "));
                 for s in &m.subscriptions {
                     let types = if s.event_types.is_empty() {

@@ -238,6 +238,8 @@ pub struct PluginsConfig {
     /// Where the compile cache lives; default `$XDG_CACHE_HOME/obx/components` or
     /// `~/.cache/obx/components`. Never the plugin directory.
     pub cache_dir: Option<PathBuf>,
+    /// The most the compile cache may hold; the least recently used entries go first.
+    pub cache_max_bytes: u64,
 }
 
 impl Default for PluginsConfig {
@@ -248,6 +250,7 @@ impl Default for PluginsConfig {
             debounce: Duration::from_millis(250),
             cache: true,
             cache_dir: None,
+            cache_max_bytes: 1 << 30,
         }
     }
 }
@@ -259,6 +262,14 @@ impl PluginsConfig {
             return None;
         }
         self.cache_dir.clone().or_else(crate::runtime::cache::default_dir)
+    }
+
+    /// The compile cache's settings, if caching is on.
+    pub fn cache_settings(&self) -> Option<crate::runtime::cache::CacheSettings> {
+        self.cache_dir().map(|dir| crate::runtime::cache::CacheSettings {
+            dir,
+            max_bytes: self.cache_max_bytes,
+        })
     }
 }
 

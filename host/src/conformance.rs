@@ -53,7 +53,7 @@ impl Check {
 pub async fn run(file: &Path, config: &Config) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let runtime = Runtime::new(config.limits.clone(), None)?;
+    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_settings())?;
     let plugin = match loader::load(&runtime, bytes).await {
         Ok(p) => {
             let m = &p.manifest;

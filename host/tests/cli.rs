@@ -28,6 +28,28 @@ fn check(file: &Path) -> (bool, String, String) {
     )
 }
 
+/// A Python component takes seconds to compile; the second check of the same file takes
+/// its compiled code from the compile cache.
+#[test]
+fn a_second_check_of_a_python_plugin_uses_the_compile_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let check = || {
+        let out = obx()
+            .args(["plugin", "check"])
+            .arg(plugin("shipping"))
+            .env("OBX_PLUGINS__CACHE_DIR", cache.path())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    let first = check();
+    assert!(first.contains("compiled      now"), "{first}");
+    let second = check();
+    assert!(second.contains("compiled      from the compile cache"), "{second}");
+}
+
 #[test]
 fn plugin_check_prints_the_manifest_of_a_good_plugin() {
     let (ok, stdout, stderr) = check(&plugin("orders"));

@@ -5,22 +5,37 @@
 //! Invariant: only files this host wrote are deserialised. Precompiled code is trusted native
 //! code, so the cache lives in its own directory (mode 0700), never in the watched plugin
 //! directory, and entries are written to a temporary name and renamed into place.
+//!
+//! The cache is bounded (`plugins.cache_max_bytes`): an entry's modification time is its last
+//! use, and after each store the least recently used entries go until the rest fit. (A
+//! Python or JavaScript component compiles to about 35 MB, and componentize-py's output
+//! differs from build to build, so every rebuild is a new entry.)
 
 use std::hash::{Hash, Hasher};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use anyhow::{Context, Result};
 use wasmtime::component::Component;
 use wasmtime::Engine;
 
+/// Where the cache lives and how large it may grow.
+#[derive(Debug, Clone)]
+pub struct CacheSettings {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
 pub struct CompileCache {
     dir: PathBuf,
     engine_key: String,
+    max_bytes: u64,
 }
 
 impl CompileCache {
-    pub fn open(dir: &Path, engine: &Engine) -> Result<CompileCache> {
+    pub fn open(settings: &CacheSettings, engine: &Engine) -> Result<CompileCache> {
+        let dir = settings.dir.as_path();
         std::fs::create_dir_all(dir).with_context(|| format!("creating the compile cache {}", dir.display()))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("restricting the compile cache {}", dir.display()))?;
@@ -29,6 +44,7 @@ impl CompileCache {
         Ok(CompileCache {
             dir: dir.to_path_buf(),
             engine_key: format!("{:016x}", hasher.finish()),
+            max_bytes: settings.max_bytes,
         })
     }
 
@@ -45,7 +61,14 @@ impl CompileCache {
         // SAFETY: the file is in the host's own cache directory and was written by `store`
         // from a component this host compiled; wasmtime also checks its compatibility.
         match unsafe { Component::deserialize_file(engine, &path) } {
-            Ok(component) => Some(component),
+            Ok(component) => {
+                // Used now: the last to be evicted.
+                let _ = std::fs::File::options()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|f| f.set_modified(SystemTime::now()));
+                Some(component)
+            }
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "dropping an unusable compile cache entry");
                 let _ = std::fs::remove_file(&path);
@@ -62,11 +85,37 @@ impl CompileCache {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
             std::fs::write(&tmp, bytes)?;
             std::fs::rename(&tmp, &path)?;
-            Ok(())
+            self.evict(&path)
         })();
         if let Err(e) = result {
             tracing::warn!(error = %e, "could not write the compile cache");
         }
+    }
+
+    /// Removes the least recently used entries until the cache fits `max_bytes`; `keep`, the
+    /// entry just stored, stays even if it alone is larger.
+    fn evict(&self, keep: &Path) -> Result<()> {
+        let mut entries = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "cwasm") {
+                let meta = entry.metadata()?;
+                entries.push((meta.modified()?, meta.len(), path));
+            }
+        }
+        let mut total: u64 = entries.iter().map(|(_, len, _)| len).sum();
+        entries.sort();
+        for (_, len, path) in entries {
+            if total <= self.max_bytes {
+                break;
+            }
+            if path != keep && std::fs::remove_file(&path).is_ok() {
+                tracing::info!(path = %path.display(), bytes = len, "compile cache entry evicted");
+                total -= len;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -76,4 +125,41 @@ pub fn default_dir() -> Option<PathBuf> {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(base.join("obx").join("components"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_least_recently_used_entries_go_when_the_cache_is_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = CacheSettings {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 250,
+        };
+        let cache = CompileCache::open(&settings, &Engine::default()).unwrap();
+        let t0 = SystemTime::now() - Duration::from_secs(100);
+        let entry = |name: &str, bytes: usize, age: u64| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, vec![0u8; bytes]).unwrap();
+            let file = std::fs::File::options().write(true).open(&path).unwrap();
+            file.set_modified(t0 + Duration::from_secs(age)).unwrap();
+            path
+        };
+        let oldest = entry("a.cwasm", 100, 1);
+        let used = entry("b.cwasm", 100, 2);
+        let newest = entry("c.cwasm", 100, 3);
+        let other = entry("notes.txt", 1000, 0);
+        cache.evict(&newest).unwrap();
+        assert!(!oldest.exists(), "the least recently used entry went");
+        assert!(used.exists() && newest.exists(), "the rest fit in 250 bytes");
+        assert!(other.exists(), "only cache entries count and go");
+
+        // An entry larger than the whole cache stays once stored; the others make room.
+        let huge = entry("d.cwasm", 1000, 4);
+        cache.evict(&huge).unwrap();
+        assert!(huge.exists() && !used.exists() && !newest.exists());
+    }
 }

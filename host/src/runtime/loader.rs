@@ -59,20 +59,20 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
             let cache = runtime.cache.as_ref();
             if let Some(component) = cache.and_then(|c| c.load(&runtime.engine, &sha256)) {
                 metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
-                return Ok::<_, wasmtime::Error>(component);
+                return Ok::<_, wasmtime::Error>((component, true));
             }
             let component = Component::new(&runtime.engine, &bytes)?;
             if let Some(cache) = cache {
                 cache.store(&sha256, &component);
             }
-            Ok(component)
+            Ok((component, false))
         })
     };
-    let component = match tokio::time::timeout(limits.compile_timeout, compile).await {
+    let (component, from_cache) = match tokio::time::timeout(limits.compile_timeout, compile).await {
         Err(_) => return Err(LoadError::CompileTimeout(limits.compile_timeout)),
         Ok(Err(join)) => return Err(LoadError::Compile(format!("the compiler crashed: {join}"))),
         Ok(Ok(Err(e))) => return Err(LoadError::Compile(format!("{e:#}"))),
-        Ok(Ok(Ok(component))) => component,
+        Ok(Ok(Ok(compiled))) => compiled,
     };
 
     let instance_pre = runtime
@@ -109,6 +109,7 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         manifest,
         sha256,
         loaded_at: chrono::Utc::now(),
+        from_cache,
         pre,
     })
 }

@@ -55,6 +55,8 @@ pub struct Plugin {
     /// Hex SHA-256 of the component file.
     pub sha256: String,
     pub loaded_at: chrono::DateTime<chrono::Utc>,
+    /// Whether its compiled code came from the compile cache.
+    pub from_cache: bool,
     pub(crate) identity: Arc<PluginIdentity>,
     pre: bindings::PluginPre<CallState>,
 }
@@ -177,7 +179,7 @@ const DECOMMIT_BATCH: usize = 8;
 
 impl Runtime {
     /// A runtime with these limits, and a compile cache in `cache_dir` if given.
-    pub fn new(limits: Limits, cache_dir: Option<&std::path::Path>) -> Result<Arc<Runtime>> {
+    pub fn new(limits: Limits, cache: Option<cache::CacheSettings>) -> Result<Arc<Runtime>> {
         let slots = limits.max_concurrent_calls;
         // Headroom above the call slots for manifest reads during loads.
         let instances = slots + 32;
@@ -215,8 +217,8 @@ impl Runtime {
             .context("linking the obx imports")?;
 
         start_epoch_ticker(&engine);
-        let cache = match cache_dir {
-            Some(dir) => match cache::CompileCache::open(dir, &engine) {
+        let cache = match cache {
+            Some(settings) => match cache::CompileCache::open(&settings, &engine) {
                 Ok(c) => Some(c),
                 Err(e) => {
                     tracing::warn!(error = format!("{e:#}"), "compile cache disabled");
