@@ -325,6 +325,9 @@ impl Admin {
 }
 
 async fn status(config: Option<PathBuf>, host: HostArgs, json: bool) -> Result<ExitCode> {
+    if host.direct {
+        anyhow::bail!("`obx status` asks a running host; --direct does not apply to it");
+    }
     let config = Config::load(config.as_deref())?;
     let admin = Admin::new(&config, &host);
     let base = admin.base.clone();
