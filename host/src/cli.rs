@@ -307,7 +307,10 @@ impl Admin {
         }
         let base = &self.base;
         let response = request.send().await.with_context(|| {
-            format!("reaching the host at {base} (for a host that is down: --direct, with DATABASE_URL)")
+            format!(
+                "reaching the host at {base} (is it running? For a host that is down, `obx dlq` and \
+                 `obx outbox replay` take --direct, with DATABASE_URL)"
+            )
         })?;
         let code = response.status();
         let body: serde_json::Value = response
