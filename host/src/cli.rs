@@ -291,8 +291,9 @@ impl Admin {
         }
     }
 
-    async fn get(&self, path: &str) -> Result<serde_json::Value> {
-        self.send(self.client.get(format!("{}{path}", self.base))).await
+    async fn get(&self, path: &str, query: &[(&str, String)]) -> Result<serde_json::Value> {
+        self.send(self.client.get(format!("{}{path}", self.base)).query(query))
+            .await
     }
 
     async fn post(&self, path: &str, body: &impl serde::Serialize) -> Result<serde_json::Value> {
@@ -334,7 +335,7 @@ async fn status(config: Option<PathBuf>, host: HostArgs, json: bool) -> Result<E
     let config = Config::load(config.as_deref())?;
     let admin = Admin::new(&config, &host);
     let base = admin.base.clone();
-    let body = admin.get("/v1/status").await?;
+    let body = admin.get("/v1/status", &[]).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&body)?);
         return Ok(ExitCode::SUCCESS);
@@ -422,16 +423,10 @@ impl Target {
     }
 }
 
-/// `?plugin=…&all=…` for the admin API.
-fn dlq_query(plugin: Option<&str>, all: bool) -> String {
-    let mut query = format!("?all={all}");
-    if let Some(p) = plugin {
-        query.push_str("&plugin=");
-        query.extend(p.bytes().map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        }));
-    }
+/// The query of `GET /v1/dlq` and `/v1/quarantine`.
+fn dlq_query(plugin: Option<String>, all: bool) -> Vec<(&'static str, String)> {
+    let mut query = vec![("all", all.to_string())];
+    query.extend(plugin.map(|p| ("plugin", p)));
     query
 }
 
@@ -443,11 +438,9 @@ async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCommand) -> Re
         DlqCommand::List { plugin, all, json } => {
             let letters: Vec<dlq::DeadLetter> = match &target {
                 Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all).await?,
-                Target::Host(admin) => serde_json::from_value(
-                    admin
-                        .get(&format!("/v1/dlq{}", dlq_query(plugin.as_deref(), all)))
-                        .await?,
-                )?,
+                Target::Host(admin) => {
+                    serde_json::from_value(admin.get("/v1/dlq", &dlq_query(plugin.clone(), all)).await?)?
+                }
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -498,11 +491,9 @@ async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCommand) -> Re
         DlqCommand::Quarantine { plugin, json } => {
             let rows: Vec<dlq::Quarantined> = match &target {
                 Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref()).await?,
-                Target::Host(admin) => serde_json::from_value(
-                    admin
-                        .get(&format!("/v1/quarantine{}", dlq_query(plugin.as_deref(), false)))
-                        .await?,
-                )?,
+                Target::Host(admin) => {
+                    serde_json::from_value(admin.get("/v1/quarantine", &dlq_query(plugin.clone(), false)).await?)?
+                }
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -529,7 +520,7 @@ async fn outbox_replay(
     let config = Config::load(config.as_deref())?;
     if !host.direct {
         if filter.is_empty() {
-            anyhow::bail!("give at least one of: an id range, a time range, an aggregate");
+            anyhow::bail!(crate::outbox::replay::NO_FILTER);
         }
         let answer = Admin::new(&config, &host).post("/v1/outbox/replay", &filter).await?;
         println!("replayed {} events", answer["replayed"]);

@@ -62,11 +62,7 @@ pub async fn quarantine(State(state): State<AppState>, Query(q): Query<DlqQuery>
 /// relay's is not shared: a replay must not hold up new events, nor they it).
 pub async fn outbox_replay(State(state): State<AppState>, Json(filter): Json<ReplayFilter>) -> Response {
     if filter.is_empty() {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "give at least one of: an id range, a time range, an aggregate",
-        );
+        return error_response(StatusCode::BAD_REQUEST, "bad_request", crate::outbox::replay::NO_FILTER);
     }
     let producer = match crate::outbox::relay::producer(
         &state.brokers,

@@ -38,6 +38,9 @@ impl ReplayFilter {
     }
 }
 
+/// Why a replay without a filter is refused: it would send the whole outbox.
+pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an aggregate";
+
 /// The header that marks a replayed message.
 pub const REPLAY_HEADER: &str = "obx-replay";
 const PAGE: i64 = 1000;
@@ -52,7 +55,7 @@ pub async fn replay(
 ) -> Result<u64> {
     let f = filter;
     if f.is_empty() {
-        bail!("give at least one of: an id range, a time range, an aggregate");
+        bail!(NO_FILTER);
     }
     let mut after = f.from_id.map(|id| id - 1).unwrap_or(0);
     let mut sent = 0u64;
