@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use obx_tests::{
-    broker, consume, eventually, metric_value, producer, send_event, send_event_with_id, send_raw, spawn_host,
-    spawn_host_on, spawn_host_with, TestBroker, TestHost,
+    broker, consume, eventually, metric_value, producer, run_kafkajs, send_event, send_event_with_id, send_raw,
+    spawn_host, spawn_host_on, spawn_host_with, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -951,35 +951,21 @@ async fn consumption_retention_keeps_unprocessed_rows() {
 
 #[tokio::test]
 async fn events_from_a_kafkajs_producer_following_the_seed_are_consumed() {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("interop/produce.js");
-    assert!(
-        script.with_file_name("node_modules").exists(),
-        "kafkajs is not installed: `cargo xtask test` runs `npm ci` in tests/interop"
-    );
     let host = spawn_host(&["testbed"]).await;
     let id = uuid::Uuid::new_v4();
-    let out = tokio::process::Command::new("node")
-        .env("KAFKAJS_NO_PARTITIONER_WARNING", "1")
-        // kafkajs's idempotent mode needs InitProducerId, which neither broker available here
-        // (librdkafka's mock, tansu on memory) serves to it; the message format is the point.
-        .env("IDEMPOTENT", "0")
-        .arg(&script)
-        .args([
+    let payload = json!({ "orderId": "order-7", "seq": 7 }).to_string();
+    run_kafkajs(
+        "produce.js",
+        &[
             &host.host.brokers.bootstrap,
             &host.topic(DEDUP),
             "order-7",
             &id.to_string(),
             "OrderCreated",
-        ])
-        .arg(json!({ "orderId": "order-7", "seq": 7 }).to_string())
-        .output()
-        .await
-        .expect("running node");
-    assert!(
-        out.status.success(),
-        "kafkajs failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+            &payload,
+        ],
+    )
+    .await;
     eventually(Duration::from_secs(20), "the kafkajs event handled", || async {
         effects(&host, id).await == 1
     })

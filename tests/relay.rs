@@ -6,7 +6,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use obx_tests::{
-    broker, consume, eventually, metric_value, murmur2_partition, spawn_host, spawn_host_with, Received, TestHost,
+    broker, consume, eventually, metric_value, murmur2_partition, run_kafkajs, spawn_host, spawn_host_with, Received,
+    TestHost,
 };
 use serde_json::json;
 
@@ -444,11 +445,6 @@ async fn kcat_reads_key_value_and_headers() {
 async fn obx_kafkajs_and_the_java_hash_put_each_key_on_the_same_partition() {
     const KEYS: usize = 1000;
     const PARTITIONS: u32 = 8;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("interop/produce-keys.js");
-    assert!(
-        script.with_file_name("node_modules").exists(),
-        "kafkajs is not installed: `cargo xtask test` runs `npm ci` in tests/interop"
-    );
     let broker = broker();
     let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
     let t = host.topic(&topic("alpha"));
@@ -463,20 +459,11 @@ async fn obx_kafkajs_and_the_java_hash_put_each_key_on_the_same_partition() {
         .await;
     assert_eq!(a.status, 200, "{}", a.text);
     all_published(&host, KEYS as i64).await;
-    let out = tokio::process::Command::new("node")
-        .env("KAFKAJS_NO_PARTITIONER_WARNING", "1")
-        // As in consume.rs: neither broker here serves kafkajs's idempotent producer.
-        .env("IDEMPOTENT", "0")
-        .arg(&script)
-        .args([&broker.bootstrap, &t, "aggregate-", &KEYS.to_string()])
-        .output()
-        .await
-        .expect("running node");
-    assert!(
-        out.status.success(),
-        "kafkajs failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_kafkajs(
+        "produce-keys.js",
+        &[&broker.bootstrap, &t, "aggregate-", &KEYS.to_string()],
+    )
+    .await;
 
     let messages = consume(&broker.bootstrap, &t, 2 * KEYS, Duration::from_secs(30)).await;
     let mut by_obx = HashMap::new();

@@ -551,6 +551,31 @@ pub fn init_logging() {
         .try_init();
 }
 
+/// Runs `tests/interop/{script}` under node with its own kafkajs (`cargo xtask test` runs
+/// `npm ci` there), as a service that follows the seed would, and panics with its stderr if
+/// it fails. kafkajs's idempotent mode needs InitProducerId, which neither broker available
+/// here (librdkafka's mock, tansu on memory) serves to it, so it is off.
+pub async fn run_kafkajs(script: &str, args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("interop").join(script);
+    assert!(
+        script.with_file_name("node_modules").exists(),
+        "kafkajs is not installed: `cargo xtask test` runs `npm ci` in tests/interop"
+    );
+    let out = tokio::process::Command::new("node")
+        .env("KAFKAJS_NO_PARTITIONER_WARNING", "1")
+        .env("IDEMPOTENT", "0")
+        .arg(&script)
+        .args(args)
+        .output()
+        .await
+        .expect("running node");
+    assert!(
+        out.status.success(),
+        "kafkajs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The partition Kafka's Java client (and kafkajs, and librdkafka's `murmur2_random`) gives
 /// `key` among `partitions`: its murmur2 hash, made positive, modulo the count.
 pub fn murmur2_partition(key: &[u8], partitions: u32) -> u32 {
