@@ -50,6 +50,7 @@ pub struct Host {
 pub async fn start(config: Config) -> Result<Host> {
     // The recorder first, so that nothing done at start-up goes uncounted.
     let metrics = crate::telemetry::metrics();
+    crate::otel::init(&config.telemetry, &config.service.name)?;
     let (url, embedded) = match &config.database.url {
         Some(url) => (url.expose().to_string(), None),
         None => {
@@ -239,6 +240,8 @@ impl Host {
         }
         self.sessions.close().await;
         self.pool.close().await;
+        // The spans of the work just finished; the exporter blocks, so off the runtime.
+        let _ = tokio::task::spawn_blocking(crate::otel::flush).await;
         Ok(())
     }
 }

@@ -27,6 +27,7 @@ pub struct Config {
     pub relay: RelayConfig,
     pub consumer: ConsumerConfig,
     pub retention: RetentionConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -479,6 +480,20 @@ impl Default for RetentionConfig {
     }
 }
 
+/// Traces: where the host's spans are exported, over OTLP/HTTP. Off unless an endpoint is
+/// set, here or in the standard `OTEL_EXPORTER_OTLP_ENDPOINT` /
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (which take precedence). The other standard
+/// `OTEL_*` variables apply too: `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+/// `OTEL_TRACES_SAMPLER`, `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_PROTOCOL`
+/// (`http/protobuf` or `http/json`), `OTEL_BSP_*`, and `OTEL_SDK_DISABLED`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The collector's OTLP/HTTP address, such as `http://otel-collector:4318`; spans go to
+    /// its `/v1/traces`.
+    pub otlp_endpoint: Option<String>,
+}
+
 /// Limits that bound what one plugin call can cost. Each is documented in the plugin
 /// author's guide; exceeding one fails the call and rolls its transaction back.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -701,6 +716,12 @@ impl Config {
             // sqlx's message names the parameter, never the password.
             if let Err(e) = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(u) {
                 return invalid("database.url", &e.to_string());
+            }
+        }
+        if let Some(endpoint) = &self.telemetry.otlp_endpoint {
+            match url::Url::parse(endpoint) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
+                _ => return invalid("telemetry.otlp_endpoint", "must be an http:// or https:// URL"),
             }
         }
         let auth = &self.http.auth;
@@ -961,6 +982,11 @@ mod tests {
                 "secret variable missing",
                 "[kafka.properties]\n\"sasl.password\" = \"env:OBX_TEST_UNSET_VARIABLE\"",
                 "kafka.properties.sasl.password",
+            ),
+            (
+                "OTLP endpoint without a scheme",
+                "[telemetry]\notlp_endpoint = \"collector:4318\"",
+                "telemetry.otlp_endpoint",
             ),
             (
                 "zero shutdown bound",

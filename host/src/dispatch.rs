@@ -20,6 +20,7 @@ use sqlx::PgPool;
 
 use crate::db::sessions::{PluginTx, SessionError, Sessions};
 use crate::idempotency::{self, Claim};
+use crate::otel::{self, Kind};
 use crate::outbox;
 use crate::runtime::bindings::{guest, types::HandlerError};
 use crate::runtime::registry::Registry;
@@ -212,7 +213,12 @@ impl Dispatcher {
         &self,
         req: CommandRequest,
     ) -> (Result<CommandResponse, CommandError>, TraceContext) {
-        let trace = TraceContext::child_of(req.parent_trace.as_ref());
+        let mut otel = otel::Span::start(
+            format!("command {}.{}", req.plugin, req.command),
+            Kind::Internal,
+            req.parent_trace.as_ref(),
+        );
+        let trace = *otel.context();
         let span = tracing::info_span!(
             "command",
             plugin = %req.plugin,
@@ -223,6 +229,20 @@ impl Dispatcher {
             parent_span_id = %crate::trace::parent_field(req.parent_trace.as_ref()),
         );
         let result = self.run_command_in_span(&req, &trace).instrument(span).await;
+        if otel.recording() {
+            otel.set("obx.plugin", req.plugin.clone());
+            otel.set("obx.command", req.command.clone());
+            otel.set("obx.request_id", req.request_id.clone());
+            match &result {
+                Ok(r) => otel.set("obx.outcome", if r.replayed { "replayed" } else { "ok" }),
+                Err(e) => {
+                    otel.set("obx.outcome", e.code());
+                    if e.status() >= 500 {
+                        otel.fail(e.to_string());
+                    }
+                }
+            }
+        }
         (result, trace)
     }
 
@@ -309,7 +329,9 @@ impl Dispatcher {
             payload: req.payload.clone(),
             request_id: req.request_id.clone(),
         };
+        let call = call_span(&plugin, "handle-command", trace);
         let CallOutput { result, tx, events } = self.runtime.handle_command(&plugin, tx, command).await;
+        end_call_span(call, &result, events.len());
         let Some(mut tx) = tx else {
             return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
         };
@@ -362,8 +384,7 @@ impl Dispatcher {
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
-        let traceparent = trace.header();
-        outbox::writer::insert(&mut tx, &plugin.manifest.version, Some(&traceparent), events)
+        outbox_insert(&mut tx, &plugin.manifest.version, trace, events)
             .await
             .map_err(db_error)?;
         if let Some((key, status, body)) = answer {
@@ -395,17 +416,64 @@ pub struct EventFailure {
 /// What a `handle-event` call that returned `ok` emitted, not yet written.
 pub struct Emitted {
     pub events: Vec<outbox::NewEvent>,
-    /// The plugin version that handled the event, and the trace context its events carry.
+    /// The plugin version that handled the event, and the trace context of its handling.
     pub version: String,
-    pub traceparent: String,
+    pub trace: TraceContext,
 }
 
 impl Emitted {
     /// Writes the outbox rows into the event's transaction. A batch calls this for each of
     /// its events just before its commit (outbox ids are taken at the end of a transaction).
     pub async fn write(&self, tx: &mut PluginTx) -> sqlx::Result<usize> {
-        outbox::writer::insert(tx, &self.version, Some(&self.traceparent), &self.events).await?;
+        outbox_insert(tx, &self.version, &self.trace, &self.events).await?;
         Ok(self.events.len())
+    }
+}
+
+/// Writes a call's outbox rows in a span of their own, whose trace context the rows carry:
+/// the relay's publish and every consumer's handling of the events are its children.
+async fn outbox_insert(
+    tx: &mut PluginTx,
+    version: &str,
+    parent: &TraceContext,
+    events: &[outbox::NewEvent],
+) -> sqlx::Result<()> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let mut span = otel::Span::export_only("outbox insert", Kind::Producer, Some(parent));
+    let traceparent = span.as_ref().map_or(parent, |s| s.context()).header();
+    let written = outbox::writer::insert(tx, version, Some(&traceparent), events).await;
+    if let Some(span) = &mut span {
+        span.set("messaging.batch.message_count", events.len() as i64);
+        if let Err(e) = &written {
+            span.fail(e.to_string());
+        }
+    }
+    written
+}
+
+/// The span of one guest call (`export` is the WIT export it calls).
+fn call_span(plugin: &Plugin, export: &'static str, parent: &TraceContext) -> Option<otel::Span> {
+    if !otel::enabled() {
+        return None;
+    }
+    let mut span = otel::Span::export_only(
+        format!("call {} {export}", plugin.manifest.name),
+        Kind::Internal,
+        Some(parent),
+    )?;
+    span.set("obx.plugin", plugin.manifest.name.clone());
+    span.set("obx.plugin.version", plugin.manifest.version.clone());
+    Some(span)
+}
+
+fn end_call_span<T>(span: Option<otel::Span>, result: &Result<T, CallError>, events: usize) {
+    if let Some(mut span) = span {
+        span.set("obx.events_emitted", events as i64);
+        if let Err(e) = result {
+            span.fail(describe_call_error(e));
+        }
     }
 }
 
@@ -420,7 +488,16 @@ impl Dispatcher {
         event: guest::Event,
         parent_trace: Option<&TraceContext>,
     ) -> Result<(PluginTx, Emitted), EventFailure> {
-        let trace = TraceContext::child_of(parent_trace);
+        let mut otel = otel::Span::start(format!("process {}", event.event_type), Kind::Consumer, parent_trace);
+        if otel.recording() {
+            otel.set("messaging.system", "kafka");
+            otel.set("messaging.destination.name", event.topic.clone());
+            otel.set("messaging.message.id", event.event_id.clone());
+            otel.set("obx.plugin", plugin.manifest.name.clone());
+            otel.set("obx.event_type", event.event_type.clone());
+            otel.set("obx.attempt", i64::from(event.attempt));
+        }
+        let trace = *otel.context();
         let span = tracing::info_span!(
             "event",
             plugin = %plugin.manifest.name,
@@ -431,9 +508,14 @@ impl Dispatcher {
             span_id = %trace.span_id(),
             parent_span_id = %crate::trace::parent_field(parent_trace),
         );
-        self.call_event_in_span(plugin, tx, event, &trace)
+        let outcome = self
+            .call_event_in_span(plugin, tx, event, &trace)
             .instrument(span)
-            .await
+            .await;
+        if let Err(failure) = &outcome {
+            otel.fail(failure.error.clone());
+        }
+        outcome
     }
 
     async fn call_event_in_span(
@@ -444,14 +526,16 @@ impl Dispatcher {
         trace: &TraceContext,
     ) -> Result<(PluginTx, Emitted), EventFailure> {
         let started = Instant::now();
+        let call = call_span(plugin, "handle-event", trace);
         let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
+        end_call_span(call, &result, events.len());
         let outcome = match (result, tx) {
             (Ok(()), Some(tx)) => Ok((
                 tx,
                 Emitted {
                     events,
                     version: plugin.manifest.version.clone(),
-                    traceparent: trace.header(),
+                    trace: *trace,
                 },
             )),
             (Ok(()), None) => Err(EventFailure {

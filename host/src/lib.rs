@@ -14,6 +14,7 @@ pub mod dispatch;
 pub mod idempotency;
 pub mod inbox;
 pub mod kafka;
+pub mod otel;
 pub mod outbox;
 pub mod retention;
 pub mod runtime;

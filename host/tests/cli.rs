@@ -1,23 +1,12 @@
 //! The `obx` binary as a user runs it: `plugin check` offline, and `serve` on the embedded
 //! default (no database URL: a throwaway Postgres from the system's binaries).
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
-use common::{plugin, wait_ready};
-
-fn obx() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_obx"));
-    cmd.env_remove("DATABASE_URL")
-        .env_remove("OBX_CONFIG")
-        .env("RUST_LOG", "info");
-    cmd
-}
+use common::{obx, plugin, serve, stop, wait_ready, Served};
 
 fn check(file: &Path) -> (bool, String, String) {
     let out = obx().args(["plugin", "check"]).arg(file).output().unwrap();
@@ -101,68 +90,6 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
         let (ok, _, stderr) = check(&file);
         assert!(!ok, "{} was accepted", file.display());
         assert!(stderr.contains(expected), "{}: {stderr}", file.display());
-    }
-}
-
-/// A child process killed when the test ends, even by a failed assertion (a host left
-/// running would hold the test's output pipe open).
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A host that `obx serve` runs.
-struct Served {
-    child: KillOnDrop,
-    /// Its log lines, collected until it exits.
-    log: std::thread::JoinHandle<Vec<String>>,
-    base: String,
-    _plugins: tempfile::TempDir,
-}
-
-/// `obx serve` on the embedded default with `args`, serving the orders plugin on a free port.
-fn serve(args: &[&str]) -> Served {
-    let plugins = tempfile::tempdir().unwrap();
-    std::fs::copy(plugin("orders"), plugins.path().join("orders.wasm")).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = KillOnDrop(
-        obx()
-            .args(args)
-            .arg("serve")
-            .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-            .env("OBX_PLUGINS__DIR", plugins.path())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let stderr = child.0.stderr.take().unwrap();
-    let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
-    Served {
-        child,
-        log,
-        base: format!("http://127.0.0.1:{port}"),
-        _plugins: plugins,
-    }
-}
-
-/// Sends SIGTERM and waits (15 s at most) for the host to stop: its exit status.
-fn stop(child: &mut KillOnDrop) -> std::process::ExitStatus {
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
-    let stopping = Instant::now();
-    loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            stopping.elapsed() < Duration::from_secs(15),
-            "the host did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

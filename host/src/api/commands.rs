@@ -9,6 +9,8 @@ use axum::response::{IntoResponse, Response};
 
 use super::{error_response, AppState};
 use crate::dispatch::CommandRequest;
+use crate::otel::{Kind, Span};
+use crate::trace::TraceContext;
 
 /// The longest `Idempotency-Key` accepted.
 const MAX_IDEMPOTENCY_KEY: usize = 255;
@@ -20,7 +22,27 @@ pub async fn run(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let request_id = uuid::Uuid::now_v7().to_string();
-    let mut response = handle(state, path, headers, body, &request_id).await;
+    let caller = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::trace::TraceContext::parse);
+    let mut span = Span::export_only("POST /v1/commands/{plugin}/{command}", Kind::Server, caller.as_ref());
+    if let Some(span) = span.as_mut().filter(|s| s.recording()) {
+        span.set("http.request.method", "POST");
+        span.set("http.route", "/v1/commands/{plugin}/{command}");
+        if let Ok(Path((plugin, command))) = &path {
+            span.set("url.path", format!("/v1/commands/{plugin}/{command}"));
+        }
+        span.set("obx.request_id", request_id.clone());
+    }
+    let parent = span.as_ref().map(|s| *s.context()).or(caller);
+    let mut response = handle(state, path, headers, body, &request_id, parent).await;
+    if let Some(span) = &mut span {
+        span.set("http.response.status_code", i64::from(response.status().as_u16()));
+        if response.status().is_server_error() {
+            span.fail(response.status().to_string());
+        }
+    }
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", v);
     }
@@ -33,6 +55,7 @@ async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
     request_id: &str,
+    parent_trace: Option<TraceContext>,
 ) -> Response {
     let Ok(Path((plugin, command))) = path else {
         return error_response(StatusCode::BAD_REQUEST, "bad_request", "malformed path");
@@ -86,10 +109,6 @@ async fn handle(
             }
         },
     };
-    let parent_trace = headers
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok())
-        .and_then(crate::trace::TraceContext::parse);
     let request = CommandRequest {
         plugin,
         command,

@@ -53,9 +53,14 @@ use tokio::sync::watch;
 use crate::config::{CloudEventsConfig, KafkaConfig, RelayConfig};
 use crate::db::locks::LockSpace;
 use crate::kafka::Brokers;
+use crate::otel;
+use crate::trace::TraceContext;
 
 /// Relay shards; `obx.outbox_shard` computes the same modulus.
 pub const SHARDS: i32 = 64;
+
+/// Why a publish span ended without an answer from the broker.
+const RESENT: &str = "the producer was replaced; the row is sent again";
 
 /// The channel other hosts' commits are announced on.
 pub const NOTIFY_CHANNEL: &str = "obx_outbox";
@@ -120,6 +125,25 @@ impl OutboxRow {
             add("content-type", "application/json");
         }
         headers
+    }
+
+    /// The span of this row's publishing to `topic`, under the span that wrote the row.
+    fn publish_span(&self, topic: &str) -> Option<otel::Span> {
+        if !otel::enabled() {
+            return None;
+        }
+        let parent = self.traceparent.as_deref().and_then(TraceContext::parse);
+        let mut span = otel::Span::export_only(format!("publish {topic}"), otel::Kind::Producer, parent.as_ref())?;
+        if span.recording() {
+            span.set("messaging.system", "kafka");
+            span.set("messaging.operation.type", "send");
+            span.set("messaging.destination.name", topic.to_string());
+            span.set("messaging.kafka.message.key", self.partition_key.clone());
+            span.set("messaging.message.id", self.event_id.to_string());
+            span.set("obx.event_type", self.event_type.clone());
+            span.set("obx.outbox_id", self.id);
+        }
+        Some(span)
     }
 
     /// The Kafka record of this row, for `topic` (the row's topic with the configured prefix).
@@ -188,13 +212,21 @@ enum Outcome {
     Waiting,
 }
 
+/// A row sent and not yet acknowledged.
+struct Inflight {
+    shard: i32,
+    sent: Instant,
+    delivery: DeliveryFuture,
+    /// From the send to the broker's answer, when spans are exported.
+    span: Option<otel::Span>,
+}
+
 struct State {
     conn: Option<PgConnection>,
     locks: Option<LockSpace>,
     producer: Option<FutureProducer>,
-    /// Sent rows whose delivery report has not arrived yet, by row id: their shard, and
-    /// when they were sent.
-    inflight: HashMap<i64, (i32, Instant, DeliveryFuture)>,
+    /// Sent rows whose delivery report has not arrived yet, by row id.
+    inflight: HashMap<i64, Inflight>,
     shards: BTreeSet<i32>,
     /// Topics seen to exist (or created): a new topic is checked once, before its first send.
     topics: HashSet<String>,
@@ -306,7 +338,7 @@ impl Relay {
         let why = if let Some((code, reason)) = &fatal {
             format!("fatal error {code:?}: {reason}")
         } else {
-            let Some(oldest) = st.inflight.values().map(|(_, sent, _)| *sent).min() else {
+            let Some(oldest) = st.inflight.values().map(|f| f.sent).min() else {
                 return Ok(());
             };
             if oldest.elapsed() < self.config.stall_timeout {
@@ -331,7 +363,11 @@ impl Relay {
         tracing::warn!(why, "replacing the Kafka producer");
         metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
         let old = st.producer.replace(fresh);
-        st.inflight.clear();
+        for (_, inflight) in st.inflight.drain() {
+            if let Some(mut span) = inflight.span {
+                span.fail(RESENT);
+            }
+        }
         let _ = tokio::task::spawn_blocking(move || drop(old)).await;
         Ok(())
     }
@@ -358,7 +394,7 @@ impl Relay {
         let conn = st.conn.as_mut().expect("connected above");
         let locks = st.locks.expect("loaded with the connection");
         if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
-            let busy: HashSet<i32> = st.inflight.values().map(|(shard, _, _)| *shard).collect();
+            let busy: HashSet<i32> = st.inflight.values().map(|f| f.shard).collect();
             rebalance(conn, locks, &mut st.shards, &busy).await?;
             self.owns_all
                 .store(st.shards.len() == SHARDS as usize, Ordering::Relaxed);
@@ -441,7 +477,13 @@ impl Relay {
             }
             match producer.send_result(row.record(topic, row.headers(&self.kafka.cloudevents))) {
                 Ok(delivery) => {
-                    st.inflight.insert(row.id, (row.shard, Instant::now(), delivery));
+                    let inflight = Inflight {
+                        shard: row.shard,
+                        sent: Instant::now(),
+                        delivery,
+                        span: row.publish_span(topic),
+                    };
+                    st.inflight.insert(row.id, inflight);
                     sent.push(row);
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
@@ -463,7 +505,7 @@ impl Relay {
         let stalled = st
             .inflight
             .values()
-            .any(|(_, sent, _)| sent.elapsed() >= self.config.stall_timeout);
+            .any(|f| f.sent.elapsed() >= self.config.stall_timeout);
         let wait = if stalled {
             self.config.ack_timeout.min(Duration::from_secs(1))
         } else {
@@ -473,21 +515,28 @@ impl Relay {
         let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
         let mut pending = 0usize;
         for row in sent {
-            let Some((_, _, delivery)) = st.inflight.get_mut(&row.id) else {
+            let Some(inflight) = st.inflight.get_mut(&row.id) else {
                 continue;
             };
-            match tokio::time::timeout_at(deadline, delivery).await {
+            match tokio::time::timeout_at(deadline, &mut inflight.delivery).await {
                 Err(_) => pending += 1,
                 Ok(result) => {
-                    st.inflight.remove(&row.id);
+                    let mut span = st.inflight.remove(&row.id).expect("looked up above").span;
                     match result {
-                        Ok(Ok(_)) => {
+                        Ok(Ok(delivery)) => {
+                            if let Some(span) = &mut span {
+                                span.set("messaging.destination.partition.id", delivery.partition.to_string());
+                                span.set("messaging.kafka.offset", delivery.offset);
+                            }
                             // Commit-to-ack: from the row's insert, just before its commit.
                             let latency = (Utc::now() - row.created_at).num_microseconds().unwrap_or(0).max(0);
                             metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency as f64 / 1e6);
                             acked.push(row)
                         }
                         Ok(Err((e, _))) => {
+                            if let Some(span) = &mut span {
+                                span.fail(e.to_string());
+                            }
                             let topic = format!("{}{}", self.kafka.topic_prefix, row.topic);
                             if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition)
                                 && !unknown_topics.contains(&topic)
@@ -497,7 +546,11 @@ impl Relay {
                             refused.push((row, Refusal::of(&e)));
                         }
                         // The producer that sent it is gone; the row is sent again.
-                        Err(_canceled) => {}
+                        Err(_canceled) => {
+                            if let Some(span) = &mut span {
+                                span.fail(RESENT);
+                            }
+                        }
                     }
                 }
             }
