@@ -93,6 +93,14 @@ impl<'a> Tree<'a> {
         children
     }
 
+    /// The tree under `span`, one span per line, for a reader of the test's output.
+    fn draw(&self, span: &Span, depth: usize, out: &mut String) {
+        out.push_str(&format!("{}{}\n", "  ".repeat(depth), span.name));
+        for child in self.children(span) {
+            self.draw(child, depth + 1, out);
+        }
+    }
+
     /// The one child of `parent` named `name` (and, with `plugin`, of that plugin).
     fn only_child(&self, parent: &Span, name: &str, plugin: Option<&str>) -> &'a Span {
         let found: Vec<&Span> = self
@@ -223,6 +231,9 @@ fn one_order_is_one_span_tree_from_the_http_request_to_the_last_plugin_of_the_ch
         roots.iter().map(|s| &s.name).collect::<Vec<_>>()
     );
     let http = roots[0];
+    let mut drawn = String::new();
+    tree.draw(http, 0, &mut drawn);
+    eprintln!("{} spans:\n{drawn}", tree.spans.len());
     assert_eq!(http.name, "POST /v1/commands/{plugin}/{command}");
     assert_eq!(hex::encode(&http.parent_span_id), CALLER_SPAN);
     assert_eq!(http.kind, SpanKind::Server as i32);
