@@ -37,6 +37,12 @@ enum Command {
         #[command(subcommand)]
         command: PluginCommand,
     },
+    /// Prints the WIT contract of plugins (`obx:plugin`), or writes it to a directory.
+    Wit {
+        /// Write `obx.wit` into this directory instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Outbox tools.
     Outbox {
         #[command(flatten)]
@@ -146,6 +152,17 @@ enum OutboxCommand {
 
 #[derive(Subcommand)]
 enum PluginCommand {
+    /// Makes a new plugin project: the WIT, a build script, a test script that runs
+    /// `obx plugin test`, and a plugin with two commands, a subscription and a migration.
+    New {
+        /// The plugin's name: a-z, 0-9 and _, starting with a letter.
+        name: String,
+        #[arg(long, value_enum)]
+        lang: crate::scaffold::Language,
+        /// Where to make it (default: a new directory named after the plugin).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Puts a component through the conformance check: manifest, migrations on an empty
     /// schema, every command and subscription answering with ok or a typed error. Uses a
     /// scratch database (on DATABASE_URL's server, or a throwaway one) and drops it after.
@@ -237,6 +254,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Plugin {
             command: PluginCommand::Check { file, json },
         } => plugin_check(cli.config, file, json).await,
+        Command::Plugin {
+            command: PluginCommand::New { name, lang, dir },
+        } => plugin_new(&name, lang, dir),
+        Command::Wit { out } => wit(out),
         Command::Outbox {
             host,
             command:
@@ -544,6 +565,37 @@ async fn outbox_replay(
     )?;
     let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter).await?;
     println!("replayed {sent} events");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn plugin_new(name: &str, language: crate::scaffold::Language, dir: Option<PathBuf>) -> Result<ExitCode> {
+    let dir = dir.unwrap_or_else(|| PathBuf::from(name));
+    let files = crate::scaffold::new_project(name, language, &dir)?;
+    println!("made plugin {name} in {}:", dir.display());
+    for f in files {
+        println!("  {}", f.display());
+    }
+    println!(
+        "next: cd {} && ./test.sh   (builds {name}.wasm and runs `obx plugin test` on it)",
+        dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn wit(out: Option<PathBuf>) -> Result<ExitCode> {
+    match out {
+        None => print!("{}", crate::scaffold::WIT),
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join("obx.wit");
+            std::fs::write(&path, crate::scaffold::WIT).with_context(|| format!("writing {}", path.display()))?;
+            println!(
+                "wrote {} (obx:plugin@{})",
+                path.display(),
+                crate::scaffold::wit_version()
+            );
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -18,6 +18,7 @@ pub mod otel;
 pub mod outbox;
 pub mod retention;
 pub mod runtime;
+pub mod scaffold;
 pub mod signal;
 pub mod sql_policy;
 pub mod telemetry;

@@ -74,6 +74,11 @@ fn main() -> Result<()> {
                 .args(["test", "--workspace", "--no-fail-fast"])
                 .args(&args);
             cmd.env("OBX_TEST_PLUGINS_DIR", &plugins);
+            // For `obx plugin new --lang python` (host/tests/plugin_new.rs).
+            cmd.env(
+                "COMPONENTIZE_PY",
+                componentize_py(&plugins_target(&root.join("plugins"))),
+            );
             let in_process = run(&mut cmd);
             // The Kafka tests again, against a broker outside the process: the one in
             // KAFKA_BROKERS, or a tansu started here (OBX_SKIP_EXTERNAL_BROKER=1 skips this).
@@ -330,10 +335,7 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
     run(cargo()
         .current_dir(&plugins)
         .args(["build", "--release", "--target", "wasm32-wasip2"]))?;
-    let target = match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => plugins.join(dir),
-        None => plugins.join("target"),
-    };
+    let target = plugins_target(&plugins);
     let out = target.join("wasm32-wasip2/release");
     for (feature, name) in [
         ("v2", "hotswap_v2"),
@@ -367,6 +369,19 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
 /// The componentize-py release the Python plugins are built with.
 const COMPONENTIZE_PY: &str = "componentize-py==0.25.1";
 
+/// The componentize-py that [`build_python_plugin`] installs under `target`.
+fn componentize_py(target: &Path) -> PathBuf {
+    target.join("tools/python/bin/componentize-py")
+}
+
+/// The target directory the plugins build in.
+fn plugins_target(plugins: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => plugins.join(dir),
+        None => plugins.join("target"),
+    }
+}
+
 /// Builds a Python plugin with componentize-py, installed from PyPI into a virtualenv of
 /// the target directory the first time. Skipped when the component was built from the same
 /// source.
@@ -376,7 +391,7 @@ fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
         return Ok(());
     }
     let venv = target.join("tools/python");
-    let tool = venv.join("bin/componentize-py");
+    let tool = componentize_py(target);
     if !tool.exists() {
         let python = if on_path("python3") { "python3" } else { "python" };
         if run(Command::new(python).arg("-m").arg("venv").arg(&venv)).is_err() {

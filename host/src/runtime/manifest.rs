@@ -115,20 +115,7 @@ impl Manifest {
     /// Checks the manifest and runs each migration through the SQL policy. On success the
     /// migrations carry the statements that will run.
     pub fn validate(&mut self, max_statement_bytes: usize) -> Result<(), String> {
-        let name = &self.name;
-        let name_ok = name.len() <= 40
-            && name.starts_with(|c: char| c.is_ascii_lowercase())
-            && name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if !name_ok {
-            return Err(format!(
-                "name {name:?} must be 1-40 characters of a-z, 0-9 and _, starting with a letter"
-            ));
-        }
-        if RESERVED_NAMES.contains(&name.as_str()) || name.starts_with("pg_") || name.starts_with("obx_") {
-            return Err(format!("name {name:?} is reserved"));
-        }
+        check_name(&self.name)?;
         if self.version.is_empty()
             || self.version.len() > 64
             || self.version.chars().any(|c| c.is_whitespace() || c.is_control())
@@ -213,6 +200,25 @@ pub fn check_emitted_topic(topic: &str) -> Result<(), String> {
         return Err(format!(
             "topic {topic:?} starts with `__`, which Kafka keeps for itself"
         ));
+    }
+    Ok(())
+}
+
+/// A plugin name names its schema, role, HTTP path and consumer groups: 1-40 characters of
+/// a-z, 0-9 and `_`, starting with a letter, and none of Postgres's or the host's own.
+pub fn check_name(name: &str) -> Result<(), String> {
+    let name_ok = name.len() <= 40
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !name_ok {
+        return Err(format!(
+            "name {name:?} must be 1-40 characters of a-z, 0-9 and _, starting with a letter"
+        ));
+    }
+    if RESERVED_NAMES.contains(&name) || name.starts_with("pg_") || name.starts_with("obx_") {
+        return Err(format!("name {name:?} is reserved"));
     }
     Ok(())
 }

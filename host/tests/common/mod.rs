@@ -79,6 +79,12 @@ pub fn serve_with(args: &[&str], plugins: &[&str], env: &[(&str, &str)]) -> Serv
     for name in plugins {
         std::fs::copy(plugin(name), dir.path().join(format!("{name}.wasm"))).unwrap();
     }
+    serve_dir(args, dir, env)
+}
+
+/// `obx serve` on the embedded default with `args` and `env`, serving the plugin
+/// directory `dir` on a free port.
+pub fn serve_dir(args: &[&str], dir: tempfile::TempDir, env: &[(&str, &str)]) -> Served {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut child = KillOnDrop(
         obx()
