@@ -121,6 +121,11 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
         ("POST", "/v1/outbox/replay", None, 401),
         ("POST", "/v1/outbox/replay", Some(&cmd), 403),
         ("POST", "/v1/outbox/replay", Some(&adm), 422), // a command's body is not a filter
+        ("GET", "/v1/catalog", None, 401),
+        ("GET", "/v1/catalog", Some(&cmd), 403),
+        ("GET", "/v1/catalog", Some(&adm), 200),
+        ("GET", "/v1/catalog?format=asyncapi", Some(&adm), 200),
+        ("GET", "/v1/catalog?format=yaml", Some(&adm), 400),
         ("GET", "/healthz", None, 200),
         ("GET", "/readyz", None, 200),
     ];

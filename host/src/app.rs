@@ -167,6 +167,7 @@ pub async fn start(config: Config) -> Result<Host> {
         brokers: brokers.clone(),
         kafka: config.kafka.clone(),
         linger_ms: config.relay.linger_ms,
+        service: config.service.name.clone(),
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await

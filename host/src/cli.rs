@@ -50,6 +50,18 @@ enum Command {
         #[command(subcommand)]
         command: OutboxCommand,
     },
+    /// The event catalogue of a running host's plugins: who emits each event and who
+    /// consumes it; or an AsyncAPI 3.0 document of it.
+    Catalog {
+        #[command(flatten)]
+        host: HostArgs,
+        /// Print an AsyncAPI 3.0 document (JSON).
+        #[arg(long)]
+        asyncapi: bool,
+        /// Print the raw JSON of GET /v1/catalog.
+        #[arg(long, conflicts_with = "asyncapi")]
+        json: bool,
+    },
     /// A terminal summary of a running host: plugins, outbox backlog, consumer lag, dead
     /// letters, errors.
     Status {
@@ -282,6 +294,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Dlq { host, command } => dlq(cli.config, host, command).await,
         Command::Status { host, json } => status(cli.config, host, json).await,
+        Command::Catalog { host, asyncapi, json } => catalog(cli.config, host, asyncapi, json).await,
         Command::Plugin {
             command: PluginCommand::Test { file, json },
         } => plugin_test(cli.config, file, json).await,
@@ -346,6 +359,63 @@ impl Admin {
             );
         }
         Ok(body)
+    }
+}
+
+async fn catalog(config: Option<PathBuf>, host: HostArgs, asyncapi: bool, json: bool) -> Result<ExitCode> {
+    if host.direct {
+        anyhow::bail!("`obx catalog` asks a running host; --direct does not apply to it");
+    }
+    let config = Config::load(config.as_deref())?;
+    let admin = Admin::new(&config, &host);
+    let format = if asyncapi { "asyncapi" } else { "json" };
+    let body = admin.get("/v1/catalog", &[("format", format.to_string())]).await?;
+    if asyncapi || json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let catalog: crate::catalog::Catalog = serde_json::from_value(body).context("reading the catalogue")?;
+    if catalog.events.is_empty() {
+        println!("no events: no plugin emits or consumes any");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<[String; 4]> = catalog
+        .events
+        .iter()
+        .map(|e| {
+            let consumers: Vec<String> = e
+                .consumed_by
+                .iter()
+                .map(|c| format!("{} ({})", c.plugin, c.mode))
+                .collect();
+            let or_dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
+            [
+                e.kafka_topic.clone(),
+                e.event_type.clone(),
+                or_dash(e.emitted_by.join(", ")),
+                or_dash(consumers.join(", ")),
+            ]
+        })
+        .collect();
+    print_table(&["topic", "event type", "emitted by", "consumed by"], &rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints rows under a header, each column as wide as its widest cell.
+fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; N]| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(*header);
+    for row in rows {
+        line(std::array::from_fn(|i| row[i].as_str()));
     }
 }
 

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod app;
+pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod conformance;

@@ -286,7 +286,7 @@ fn wait_for_port(port: u16) -> Result<()> {
 /// kafkajs, for the interop test: a producer as services following the seed use.
 fn ensure_interop(root: &Path) -> Result<()> {
     let dir = root.join("tests/interop");
-    if dir.join("node_modules/kafkajs").exists() {
+    if dir.join("node_modules/kafkajs").exists() && dir.join("node_modules/@asyncapi/parser").exists() {
         return Ok(());
     }
     if !on_path("npm") {

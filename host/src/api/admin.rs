@@ -6,7 +6,8 @@
 //! * `GET /v1/dlq?plugin=&all=` — dead letters, newest first;
 //! * `POST /v1/dlq/{id}/retry`, `POST /v1/dlq/{id}/discard`;
 //! * `GET /v1/quarantine?plugin=` — quarantined messages;
-//! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`.
+//! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`;
+//! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins.
 
 use std::time::Duration;
 
@@ -107,4 +108,25 @@ fn database_error(e: anyhow::Error) -> Response {
         "database_unavailable",
         "Postgres does not answer",
     )
+}
+
+#[derive(Deserialize)]
+pub struct CatalogQuery {
+    format: Option<String>,
+}
+
+pub async fn catalog(State(state): State<AppState>, Query(q): Query<CatalogQuery>) -> Response {
+    let manifests: Vec<_> = state.registry.plugins().iter().map(|p| p.manifest.clone()).collect();
+    let catalog = crate::catalog::build(&state.service, &state.kafka.topic_prefix, &manifests);
+    match q.format.as_deref() {
+        None | Some("json") => Json(catalog).into_response(),
+        Some("asyncapi") => {
+            Json(crate::catalog::asyncapi(&catalog, &crate::catalog::version(&manifests))).into_response()
+        }
+        Some(other) => error_response(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            &format!("format {other:?}: use json or asyncapi"),
+        ),
+    }
 }

@@ -41,6 +41,8 @@ pub struct AppState {
     pub brokers: Arc<crate::kafka::Brokers>,
     pub kafka: crate::config::KafkaConfig,
     pub linger_ms: u32,
+    /// `service.name`, for the event catalogue.
+    pub service: String,
 }
 
 pub fn router(state: AppState, http: &HttpConfig) -> Router {
@@ -57,6 +59,7 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
         .route("/v1/quarantine", get(admin::quarantine))
         .route("/v1/outbox/replay", post(admin::outbox_replay))
+        .route("/v1/catalog", get(admin::catalog))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
     Router::new()
         .route("/healthz", get(healthz))
