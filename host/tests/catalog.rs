@@ -7,7 +7,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::{obx, serve_with, stop, wait_ready, Served};
+use common::{blocks, obx, serve_with, stop, wait_ready, Served};
 
 const CHAIN: &[&str] = &["orders", "inventory", "payments", "shipping", "notifications"];
 
@@ -57,6 +57,17 @@ fn the_example_chain_has_a_catalogue_and_a_valid_asyncapi_document() {
     }
     // Emitted, consumed by nobody in this service.
     assert!(row("CustomerNotified").trim_end().ends_with('-'), "{table}");
+    // The plugin guide shows this very table.
+    let guide = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/plugin-guide.md")).unwrap();
+    let section = &guide[guide
+        .find("## The event catalogue")
+        .expect("the guide's catalogue section")..];
+    let shown = blocks(section, "text").into_iter().next().expect("a text block");
+    assert_eq!(
+        shown.trim_end(),
+        table.trim_end(),
+        "docs/plugin-guide.md shows another catalogue"
+    );
 
     // AsyncAPI: what the AsyncAPI tools read.
     let document = catalog(&base, &["--asyncapi"]);

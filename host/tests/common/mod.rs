@@ -123,3 +123,24 @@ pub fn stop(child: &mut KillOnDrop) -> std::process::ExitStatus {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The fenced blocks of `markdown` in `language`, dedented by their fence's indentation.
+pub fn blocks(markdown: &str, language: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut current: Option<(usize, Vec<String>)> = None;
+    for line in markdown.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let fence = line.trim_start();
+        match &mut current {
+            None if fence == format!("```{language}") => current = Some((indent, Vec::new())),
+            Some((_, lines)) if fence == "```" => {
+                found.push(lines.join("\n") + "\n");
+                current = None;
+            }
+            Some((indent, lines)) => lines.push(line.get(*indent..).unwrap_or("").to_string()),
+            None => {}
+        }
+    }
+    assert!(current.is_none(), "an unclosed ```{language} block");
+    found
+}
