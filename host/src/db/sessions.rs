@@ -174,6 +174,7 @@ impl Sessions {
             .get(name)
             .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), pool.clone()))
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
+        let mut last_gone = None;
         for _ in 0..BEGIN_ATTEMPTS {
             let mut conn = pool.acquire().await?;
             // A plain string goes over the simple protocol: every statement in one round trip.
@@ -199,13 +200,23 @@ impl Sessions {
                     tampered(&role, "SQL made prepared statements on it");
                     conn.close_on_drop();
                 }
+                // A pooled session whose backend is gone (terminated, or the server
+                // restarted; a check before it was handed out can race the backend's exit):
+                // a new session may do.
+                Err(e) if session_gone(&e) => {
+                    conn.close_on_drop();
+                    last_gone = Some(e);
+                }
                 Err(e) => {
                     conn.close_on_drop();
                     return Err(e.into());
                 }
             }
         }
-        Err(SessionError::Tampered(name.to_string()))
+        match last_gone {
+            Some(e) => Err(e.into()),
+            None => Err(SessionError::Tampered(name.to_string())),
+        }
     }
 
     /// Closes every pool (at shutdown).
@@ -220,6 +231,17 @@ impl Sessions {
         for pool in pools {
             pool.close().await;
         }
+    }
+}
+
+/// Whether `e` says the session's backend is gone: the connection closed, or the server
+/// ended the session (`57P01` admin shutdown, `57P02` crash shutdown, `57P03` cannot
+/// connect now).
+fn session_gone(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(d) => matches!(d.code().as_deref(), Some("57P01" | "57P02" | "57P03")),
+        _ => false,
     }
 }
 
