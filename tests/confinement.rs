@@ -371,6 +371,7 @@ fn manifest(name: &str, migrations: &[&str]) -> Manifest {
                 statements: vec![],
             })
             .collect(),
+        payloads: vec![],
     }
 }
 

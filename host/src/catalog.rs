@@ -10,14 +10,14 @@ use serde_json::{json, Value};
 
 use crate::runtime::manifest::{DeliveryMode, Manifest};
 
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct Catalog {
     pub service: String,
     /// By topic, then event type.
     pub events: Vec<CatalogEvent>,
 }
 
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct CatalogEvent {
     /// As plugins name it; the Kafka topic is `kafka_topic`.
     pub topic: String,
@@ -26,6 +26,12 @@ pub struct CatalogEvent {
     pub event_type: String,
     pub emitted_by: Vec<String>,
     pub consumed_by: Vec<Consumer>,
+    /// The payload's JSON Schema and an example, as the emitter declared them (else a
+    /// consumer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub example: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -54,6 +60,8 @@ pub fn build(service: &str, topic_prefix: &str, manifests: &[Manifest]) -> Catal
                 event_type: event_type.to_string(),
                 emitted_by: Vec::new(),
                 consumed_by: Vec::new(),
+                schema: None,
+                example: None,
             })
     }
     for m in manifests {
@@ -97,6 +105,21 @@ pub fn build(service: &str, topic_prefix: &str, manifests: &[Manifest]) -> Catal
                 entry(&mut events, topic_prefix, &s.topic, &t)
                     .consumed_by
                     .push(consumer.clone());
+            }
+        }
+    }
+    // Schemas: the emitters' first, then the consumers' where no emitter declared one.
+    let emitters = manifests
+        .iter()
+        .flat_map(|m| m.payloads.iter().filter(|p| m.declares(&p.topic, &p.event_type)));
+    let consumers = manifests
+        .iter()
+        .flat_map(|m| m.payloads.iter().filter(|p| !m.declares(&p.topic, &p.event_type)));
+    for p in emitters.chain(consumers) {
+        if let Some(e) = events.get_mut(&(p.topic.clone(), p.event_type.clone())) {
+            if e.schema.is_none() {
+                e.schema = Some(p.schema.clone());
+                e.example = p.example.clone();
             }
         }
     }
@@ -147,7 +170,8 @@ fn key(s: &str) -> String {
 
 /// The catalogue as an AsyncAPI 3.0 document: a channel per topic with its messages, a
 /// `send` operation per emitting plugin and a `receive` operation per consuming plugin.
-/// Payloads are any JSON object until a plugin declares a schema.
+/// A payload is what its declared JSON Schema says (JSON Schema is AsyncAPI's default
+/// schema format), or any JSON object when none was declared.
 pub fn asyncapi(catalog: &Catalog, version: &str) -> Value {
     let mut channels = serde_json::Map::new();
     let mut operations = serde_json::Map::new();
@@ -165,14 +189,18 @@ pub fn asyncapi(catalog: &Catalog, version: &str) -> Value {
                 "messages": {}
             })
         });
-        channel["messages"][&message_id] = json!({
+        let mut message = json!({
             "name": e.event_type,
             "title": e.event_type,
             "contentType": "application/json",
             "headers": headers_schema(),
-            "payload": { "type": "object" },
+            "payload": e.schema.clone().unwrap_or_else(|| json!({ "type": "object" })),
             "bindings": { "kafka": { "key": { "type": "string", "description": "The partition key: events of one key keep their order." } } }
         });
+        if let Some(example) = &e.example {
+            message["examples"] = json!([{ "name": "example", "payload": example }]);
+        }
+        channel["messages"][&message_id] = message;
         let channel_ref = json!({ "$ref": format!("#/channels/{channel_id}") });
         let message_ref = json!({ "$ref": format!("#/channels/{channel_id}/messages/{message_id}") });
         for plugin in &e.emitted_by {
@@ -237,6 +265,7 @@ mod tests {
                 })
                 .collect(),
             migrations: vec![],
+            payloads: vec![],
         }
     }
 

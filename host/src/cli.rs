@@ -711,6 +711,13 @@ async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Res
                         mig.statements.len()
                     );
                 }
+                for p in &m.payloads {
+                    let example = if p.example.is_some() { ", with an example" } else { "" };
+                    println!(
+                        "  payload       {} on {}: a JSON Schema{example}",
+                        p.event_type, p.topic
+                    );
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

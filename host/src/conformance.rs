@@ -6,7 +6,9 @@
 //! 3. every declared command answers (ok, or a typed error) to an empty payload, without
 //!    trapping, within the deadline;
 //! 4. an undeclared command gets a typed error, not a trap;
-//! 5. every subscription's handler answers (ok, or a typed error) to an empty event.
+//! 5. every subscription's handler answers (ok, or a typed error) to an empty event;
+//! 6. every consumed event with a declared payload schema is handled with `ok` when its
+//!    payload is valid: the declared example, or a sample built from the schema.
 //!
 //! It runs against a scratch database it creates and drops: on the configured server, or on
 //! a throwaway Postgres when none is configured. Nothing is committed.
@@ -125,28 +127,92 @@ async fn check_with_database(
             .first()
             .cloned()
             .unwrap_or_else(|| "ConformanceProbe".into());
-        let event = guest::Event {
-            event_id: uuid::Uuid::new_v4().to_string(),
-            event_type: event_type.clone(),
-            topic: subscription.topic.clone(),
-            key: Some("conformance".into()),
-            payload: "{}".into(),
-            headers: vec![],
-            attempt: 1,
-        };
-        let tx = sessions.begin(&plugin.manifest.name).await?;
-        let out = runtime.handle_event(plugin, tx, event).await;
+        let result = call_event(runtime, plugin, sessions, &subscription.topic, &event_type, "{}".into()).await?;
         let rule = format!("events of {} ({event_type}) are handled", subscription.topic);
-        checks.push(match out.result {
+        checks.push(match result {
             Ok(()) => Check::pass(rule, "ok".to_string()),
             Err(CallError::Handler(e)) => Check::pass(rule, format!("typed error: {}", CommandError::from(e).code())),
             Err(e) => Check::fail(rule, describe(e)),
         });
-        if let Some(tx) = out.tx {
-            let _ = tx.rollback().await;
-        }
+    }
+    check_valid_events(runtime, plugin, sessions, checks).await
+}
+
+/// Every consumed event with a declared schema gets a payload that matches it (the declared
+/// example, or a sample built from the schema) and must be handled with `ok`: a handler
+/// that refuses a valid event would park real ones.
+async fn check_valid_events(
+    runtime: &Arc<Runtime>,
+    plugin: &Plugin,
+    sessions: &Sessions,
+    checks: &mut Vec<Check>,
+) -> Result<()> {
+    let consumed = plugin
+        .manifest
+        .payloads
+        .iter()
+        .filter(|p| plugin.manifest.consumes(&p.topic, &p.event_type));
+    for p in consumed {
+        let rule = format!("a valid {} on {} is handled with ok", p.event_type, p.topic);
+        let (payload, source) = match (&p.example, crate::runtime::contract::sample(&p.schema)) {
+            (Some(example), _) => (example.clone(), "the declared example"),
+            (None, Some(sample)) => (sample, "a sample built from the schema"),
+            (None, None) => {
+                checks.push(Check::pass(
+                    rule,
+                    "not checked: no example, and the schema asks for more than a sample has; declare an example",
+                ));
+                continue;
+            }
+        };
+        let result = call_event(runtime, plugin, sessions, &p.topic, &p.event_type, payload.to_string()).await?;
+        checks.push(match result {
+            Ok(()) => Check::pass(rule, format!("ok, with {source}")),
+            Err(CallError::Handler(e)) => {
+                let code = CommandError::from(e).code();
+                let fate = if code == "handler_failed" {
+                    "retried, then parked"
+                } else {
+                    "parked at once"
+                };
+                Check::fail(
+                    rule,
+                    format!(
+                        "{source} got {code}: in `obx serve` a real {} like it would be {fate}, holding up its key",
+                        p.event_type
+                    ),
+                )
+            }
+            Err(e) => Check::fail(rule, describe(e)),
+        });
     }
     Ok(())
+}
+
+/// Calls `handle-event` with one event in a transaction that is rolled back.
+async fn call_event(
+    runtime: &Arc<Runtime>,
+    plugin: &Plugin,
+    sessions: &Sessions,
+    topic: &str,
+    event_type: &str,
+    payload: String,
+) -> Result<Result<(), CallError>> {
+    let event = guest::Event {
+        event_id: uuid::Uuid::new_v4().to_string(),
+        event_type: event_type.into(),
+        topic: topic.into(),
+        key: Some("conformance".into()),
+        payload,
+        headers: vec![],
+        attempt: 1,
+    };
+    let tx = sessions.begin(&plugin.manifest.name).await?;
+    let out = runtime.handle_event(plugin, tx, event).await;
+    if let Some(tx) = out.tx {
+        let _ = tx.rollback().await;
+    }
+    Ok(out.result)
 }
 
 /// Calls one command with `{}`; `Ok` with what it answered, or `Err` with why that breaks

@@ -78,6 +78,10 @@ fn the_example_chain_has_a_catalogue_and_a_valid_asyncapi_document() {
         parsed["operations"]["inventory.receive.order.events.OrderCreated"]["action"],
         "receive"
     );
+    // OrderCreated's declared schema and example (plugins/contracts/) are the message's.
+    let created = &parsed["channels"]["order.events"]["messages"]["OrderCreated"];
+    assert_eq!(created["payload"]["required"][0], "orderId", "{created}");
+    assert_eq!(created["examples"][0]["payload"]["customerId"], "c-1", "{created}");
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), &document).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/interop/validate-asyncapi.js");

@@ -45,6 +45,10 @@ fn plugin_check_prints_the_manifest_of_a_good_plugin() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("orders 0.1.0"), "{stdout}");
     assert!(stdout.contains("CreateOrder"), "{stdout}");
+    assert!(
+        stdout.contains("payload       OrderCreated on order.events: a JSON Schema, with an example"),
+        "{stdout}"
+    );
 
     let out = obx()
         .args(["plugin", "check", "--json"])
@@ -196,5 +200,23 @@ fn a_json_log_is_one_object_per_line_and_an_unknown_format_is_refused() {
     assert!(
         stderr.contains("yaml") && stderr.contains("json") && stderr.contains("text"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn plugin_test_fails_a_handler_that_refuses_a_valid_event_and_says_what_that_would_do() {
+    let out = obx().args(["plugin", "test"]).arg(plugin("testbed")).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("a valid Refused on testbed.inbox"))
+        .unwrap_or_else(|| panic!("no line for the declared example:\n{stdout}"));
+    assert!(line.trim_start().starts_with("FAIL"), "{line}");
+    assert!(line.contains("rejected") && line.contains("parked at once"), "{line}");
+    // The example that the handler takes passes.
+    assert!(
+        stdout.contains("ok   a valid Checked on testbed.events is handled with ok"),
+        "{stdout}"
     );
 }

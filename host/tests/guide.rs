@@ -1,8 +1,8 @@
 //! The plugin guide cannot rot: every `rust`, `python` and `js` block of
 //! docs/plugin-guide.md is extracted, built with its language's tool chain, and put
 //! through `obx plugin test`. Each language's block must also show what the guide promises:
-//! a command, a query with parameters and typed results, an emit, a log line, typed errors
-//! and a subscription.
+//! a command, a query with parameters and typed results, an emit, a log line, typed errors,
+//! a subscription and payload schemas.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -110,6 +110,7 @@ const SHOWS: &[(&str, &[&str])] = &[
             "HandlerError::Rejected",
             "Subscription {",
             "fn handle_event",
+            "declare_payload(",
         ],
     ),
     (
@@ -123,6 +124,7 @@ const SHOWS: &[(&str, &[&str])] = &[
             "HandlerError_Rejected",
             "handler.Subscription",
             "def handle_event",
+            "contract.declare_payload(",
         ],
     ),
     (
@@ -136,6 +138,7 @@ const SHOWS: &[(&str, &[&str])] = &[
             "'rejected'",
             "subscriptions:",
             "handleEvent",
+            "declarePayload(",
         ],
     ),
 ];

@@ -72,6 +72,8 @@ fn a_new_plugin_in_each_language_builds_passes_its_test_and_runs_in_a_host() {
                 .env_remove("DATABASE_URL"),
         );
         assert!(tested.contains("conformant"), "{language}: {tested}");
+        // Its NoteAdded schema's example went through the handler.
+        assert!(tested.contains("a valid NoteAdded"), "{language}: {tested}");
         eprintln!("{language}: built and tested in {:?}", started.elapsed());
         built.push((*name, dir.join(format!("{name}.wasm"))));
     }

@@ -386,10 +386,7 @@ fn plugins_target(plugins: &Path) -> PathBuf {
 /// the target directory the first time. Skipped when the component was built from the same
 /// source.
 fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
-    let stamp = Stamp::of(out, &[&dir.join("app.py"), &dir.join("../../wit/obx.wit")])?;
-    if stamp.is_fresh() {
-        return Ok(());
-    }
+    // Installed even when the component is fresh: the guide's and `plugin new`'s tests use it.
     let venv = target.join("tools/python");
     let tool = componentize_py(target);
     if !tool.exists() {
@@ -399,6 +396,10 @@ fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
             run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
         }
         run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", COMPONENTIZE_PY]))?;
+    }
+    let stamp = Stamp::of(out, &[&dir.join("app.py"), &dir.join("../../wit/obx.wit")])?;
+    if stamp.is_fresh() {
+        return Ok(());
     }
     run(Command::new(tool)
         .current_dir(dir)
@@ -416,12 +417,9 @@ fn build_python_plugin(dir: &Path, target: &Path, out: &Path) -> Result<()> {
 }
 
 /// Builds a JavaScript plugin with ComponentizeJS, installed from npm (`npm ci`) the first
-/// time. Skipped when the component was built from the same source.
+/// time. Skipped when the component was built from the same source (the install is not).
 fn build_js_plugin(dir: &Path, out: &Path) -> Result<()> {
-    let stamp = Stamp::of(out, &[&dir.join("app.js"), &dir.join("../../wit/obx.wit")])?;
-    if stamp.is_fresh() {
-        return Ok(());
-    }
+    // Installed even when the component is fresh: the guide's test builds with it too.
     if !dir.join("node_modules/.bin/componentize-js").exists() {
         if !on_path("npm") {
             apt_install(&["nodejs", "npm"])?;
@@ -429,6 +427,10 @@ fn build_js_plugin(dir: &Path, out: &Path) -> Result<()> {
         run(Command::new("npm")
             .current_dir(dir)
             .args(["ci", "--no-audit", "--no-fund"]))?;
+    }
+    let stamp = Stamp::of(out, &[&dir.join("app.js"), &dir.join("../../wit/obx.wit")])?;
+    if stamp.is_fresh() {
+        return Ok(());
     }
     run(Command::new(dir.join("node_modules/.bin/componentize-js"))
         .current_dir(dir)

@@ -108,6 +108,22 @@ pub(crate) async fn run(
 ) -> sqlx::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
     for (at, job) in jobs.iter().enumerate() {
+        if let Err(e) = plugin
+            .identity
+            .contracts
+            .check(&job.event.topic, &job.event.event_type, &job.event.payload)
+        {
+            // Not for the handler: the plugin said it cannot take such a payload.
+            let failure = Failure {
+                error: format!("the payload breaks the declared schema of {} {e}", job.event.event_type),
+                retriable: false,
+            };
+            return Ok(Ran::Open {
+                tx,
+                emitted,
+                failed: Some(failure),
+            });
+        }
         // Nested savepoints of one name: a rollback to it undoes this event alone.
         tx.execute("SAVEPOINT obx_event").await?;
         match dispatcher

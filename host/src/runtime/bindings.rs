@@ -12,4 +12,4 @@ wasmtime::component::bindgen!({
 });
 
 pub use exports::obx::plugin::handler as guest;
-pub use obx::plugin::{log, outbox, sql, types};
+pub use obx::plugin::{contract, log, outbox, sql, types};

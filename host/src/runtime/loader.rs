@@ -12,6 +12,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 
+use super::contract::Contracts;
 use super::manifest::Manifest;
 use super::{bindings, CallError, Plugin, PluginIdentity, Runtime, Trap};
 
@@ -90,22 +91,28 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         subscriptions: vec![],
         emits: vec![],
         migrations: vec![],
+        payloads: vec![],
     };
-    let raw = runtime
-        .read_manifest(&pre, Arc::new(PluginIdentity::new(&placeholder)))
+    let read = runtime
+        .read_manifest(&pre, Arc::new(PluginIdentity::new(&placeholder, Default::default())))
         .await
         .map_err(|e| match e {
             CallError::Trapped(Trap::Deadline) => LoadError::Manifest("describe() ran past the call deadline".into()),
             CallError::Trapped(Trap::Memory(m) | Trap::Fault(m)) => LoadError::Manifest(m),
             other => LoadError::Manifest(format!("{other:?}")),
         })?;
-    let mut manifest = Manifest::from(raw);
+    if let Some(e) = read.declaration_error {
+        return Err(LoadError::InvalidManifest(format!("contract: {e}")));
+    }
+    let mut manifest = Manifest::from(read.manifest);
+    manifest.payloads = read.payloads;
     manifest
         .validate(runtime.limits().max_statement_bytes)
         .map_err(LoadError::InvalidManifest)?;
+    let contracts = Contracts::compile(&manifest.payloads).map_err(LoadError::InvalidManifest)?;
 
     Ok(Plugin {
-        identity: Arc::new(PluginIdentity::new(&manifest)),
+        identity: Arc::new(PluginIdentity::new(&manifest, contracts)),
         manifest,
         sha256,
         loaded_at: chrono::Utc::now(),

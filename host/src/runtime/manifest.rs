@@ -9,7 +9,7 @@ use super::bindings::guest;
 use crate::outbox::check_topic;
 use crate::sql_policy;
 
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Manifest {
     pub name: String,
     pub version: String,
@@ -18,6 +18,17 @@ pub struct Manifest {
     /// Every (topic, event type) the plugin may emit.
     pub emits: Vec<EventDeclaration>,
     pub migrations: Vec<Migration>,
+    /// Payload schemas declared through `obx:plugin/contract` while the manifest was read.
+    pub payloads: Vec<PayloadContract>,
+}
+
+/// The declared JSON Schema of an event's payload, with an optional example.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct PayloadContract {
+    pub topic: String,
+    pub event_type: String,
+    pub schema: serde_json::Value,
+    pub example: Option<serde_json::Value>,
 }
 
 /// An event a plugin declares it emits.
@@ -88,6 +99,7 @@ impl From<guest::Manifest> for Manifest {
                     statements: Vec::new(),
                 })
                 .collect(),
+            payloads: Vec::new(),
         }
     }
 }
@@ -151,6 +163,7 @@ impl Manifest {
             }
         }
         self.validate_emits()?;
+        self.validate_payloads()?;
         let mut last = None;
         for m in &mut self.migrations {
             if last.is_some_and(|last| m.id <= last) {
@@ -172,6 +185,33 @@ impl Manifest {
 }
 
 impl Manifest {
+    /// Whether a subscription takes `event_type` on `topic`.
+    pub fn consumes(&self, topic: &str, event_type: &str) -> bool {
+        self.subscriptions
+            .iter()
+            .any(|s| s.topic == topic && (s.event_types.is_empty() || s.event_types.iter().any(|t| t == event_type)))
+    }
+
+    /// Each payload schema is of an event the plugin emits or consumes, and declared once.
+    fn validate_payloads(&self) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        for p in &self.payloads {
+            if !self.declares(&p.topic, &p.event_type) && !self.consumes(&p.topic, &p.event_type) {
+                return Err(format!(
+                    "contract: {} on {:?} is neither in emits nor in a subscription",
+                    p.event_type, p.topic
+                ));
+            }
+            if !seen.insert((&p.topic, &p.event_type)) {
+                return Err(format!(
+                    "contract: the payload of {} on {:?} is declared twice",
+                    p.event_type, p.topic
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_emits(&self) -> Result<(), String> {
         if self.emits.len() > MAX_DECLARED_EVENTS {
             return Err(format!("a manifest may declare at most {MAX_DECLARED_EVENTS} events"));
@@ -247,7 +287,34 @@ mod tests {
                 sql: "CREATE TABLE orders (id uuid PRIMARY KEY)".into(),
                 statements: vec![],
             }],
+            payloads: vec![],
         }
+    }
+
+    fn payload(topic: &str, event_type: &str) -> PayloadContract {
+        PayloadContract {
+            topic: topic.into(),
+            event_type: event_type.into(),
+            schema: serde_json::json!({ "type": "object" }),
+            example: None,
+        }
+    }
+
+    #[test]
+    fn payload_schemas_are_of_declared_events_and_declared_once() {
+        let mut m = manifest();
+        m.payloads = vec![
+            payload("order.events", "OrderCreated"),
+            payload("payment.events", "PaymentCaptured"),
+        ];
+        m.validate(64 * 1024).unwrap();
+        m.payloads.push(payload("order.events", "OrderCreated"));
+        assert!(m.validate(64 * 1024).unwrap_err().contains("declared twice"));
+        m.payloads = vec![payload("order.events", "OrderShipped")];
+        assert!(m
+            .validate(64 * 1024)
+            .unwrap_err()
+            .contains("neither in emits nor in a subscription"));
     }
 
     #[test]

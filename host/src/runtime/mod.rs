@@ -14,6 +14,7 @@
 
 pub mod bindings;
 pub mod cache;
+pub mod contract;
 mod host;
 pub mod loader;
 pub mod manifest;
@@ -61,6 +62,14 @@ pub struct Plugin {
     pre: bindings::PluginPre<CallState>,
 }
 
+/// What `describe` returned, with the payload schemas it declared on the way.
+pub(crate) struct ManifestRead {
+    pub manifest: guest::Manifest,
+    pub payloads: Vec<manifest::PayloadContract>,
+    /// The first declaration that could not be taken.
+    pub declaration_error: Option<String>,
+}
+
 /// What host imports need to know about the plugin they serve.
 pub(crate) struct PluginIdentity {
     pub name: String,
@@ -70,6 +79,8 @@ pub(crate) struct PluginIdentity {
     emits: HashMap<String, HashSet<String>>,
     /// Statements already checked by the SQL policy, with their verdicts.
     statements: Mutex<VerdictCache>,
+    /// The declared payload schemas, compiled.
+    pub(crate) contracts: contract::Contracts,
 }
 
 /// Verdicts of the SQL policy by statement text, bounded in entries and in bytes: when
@@ -87,8 +98,9 @@ const STATEMENT_CACHE_ENTRIES: usize = 1024;
 const STATEMENT_CACHE_BYTES: usize = 4 * 1024 * 1024;
 
 impl PluginIdentity {
-    fn new(manifest: &Manifest) -> PluginIdentity {
+    fn new(manifest: &Manifest, contracts: contract::Contracts) -> PluginIdentity {
         PluginIdentity {
+            contracts,
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             schema: manifest.schema().to_string(),
@@ -267,7 +279,7 @@ impl Runtime {
         &self,
         pre: &bindings::PluginPre<CallState>,
         identity: Arc<PluginIdentity>,
-    ) -> Result<guest::Manifest, CallError> {
+    ) -> Result<ManifestRead, CallError> {
         let deadline = Instant::now() + self.limits.call_deadline;
         let state = CallState::new(identity, self.limits.clone(), None, deadline, "manifest".into());
         let mut store = self.store(state);
@@ -277,7 +289,14 @@ impl Runtime {
         }
         .await;
         match outcome {
-            Ok(manifest) => Ok(manifest),
+            Ok(manifest) => {
+                let state = store.data_mut();
+                Ok(ManifestRead {
+                    manifest,
+                    payloads: std::mem::take(&mut state.declared),
+                    declaration_error: state.declaration_error.take(),
+                })
+            }
             Err(e) => Err(CallError::Trapped(classify_trap(&store, e))),
         }
     }
@@ -424,8 +443,9 @@ mod tests {
             subscriptions: vec![],
             emits: vec![],
             migrations: vec![],
+            payloads: vec![],
         };
-        let identity = PluginIdentity::new(&manifest);
+        let identity = PluginIdentity::new(&manifest, Default::default());
         let limits = Limits::default();
         let columns = vec!["1"; 20_000].join(", ");
         for i in 0..200 {

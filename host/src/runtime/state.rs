@@ -15,6 +15,7 @@ use super::PluginIdentity;
 use crate::config::Limits;
 use crate::db::sessions::PluginTx;
 use crate::outbox::NewEvent;
+use crate::runtime::manifest::PayloadContract;
 
 pub struct CallState {
     wasi: WasiCtx,
@@ -35,6 +36,9 @@ pub struct CallState {
     pub(super) deadline: Instant,
     pub(super) request_id: String,
     pub(super) log_lines: u32,
+    /// Payload schemas declared while the manifest is read, and the first bad declaration.
+    pub(super) declared: Vec<PayloadContract>,
+    pub(super) declaration_error: Option<String>,
 }
 
 impl CallState {
@@ -68,6 +72,8 @@ impl CallState {
             deadline,
             request_id,
             log_lines: 0,
+            declared: Vec::new(),
+            declaration_error: None,
         }
     }
 

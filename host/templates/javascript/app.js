@@ -8,8 +8,18 @@
 import { query, execute } from 'obx:plugin/sql@{{wit_version}}';
 import { emit } from 'obx:plugin/outbox@{{wit_version}}';
 import { log } from 'obx:plugin/log@{{wit_version}}';
+import { declarePayload } from 'obx:plugin/contract@{{wit_version}}';
 
 const TOPIC = '{{name}}.events';
+
+// The JSON Schema of NoteAdded's payload: emit refuses one that breaks it, the event path
+// parks one that breaks it, and `obx plugin test` sends the example to the handler.
+const NOTE_ADDED = {
+  type: 'object',
+  required: ['id', 'text'],
+  properties: { id: { type: 'string', format: 'uuid' }, text: { type: 'string' } },
+};
+const NOTE_ADDED_EXAMPLE = { id: '0b7e5c1a-9a8f-4c1e-8e5e-2f3b6c7d8e9f', text: 'hello' };
 
 const MIGRATION_1 = `
 CREATE TABLE notes (
@@ -84,6 +94,7 @@ function getNote(id) {
 
 export const handler = {
   describe() {
+    declarePayload(TOPIC, 'NoteAdded', JSON.stringify(NOTE_ADDED), JSON.stringify(NOTE_ADDED_EXAMPLE));
     return {
       name: '{{name}}',
       version: '0.1.0',

@@ -11,9 +11,18 @@ import json
 from componentize_py_types import Err
 from wit_world import exports
 from wit_world.exports import handler
-from wit_world.imports import log, outbox, sql, types
+from wit_world.imports import contract, log, outbox, sql, types
 
 TOPIC = "{{name}}.events"
+
+# The JSON Schema of NoteAdded's payload: emit refuses one that breaks it, the event path
+# parks one that breaks it, and `obx plugin test` sends the example to the handler.
+NOTE_ADDED = {
+    "type": "object",
+    "required": ["id", "text"],
+    "properties": {"id": {"type": "string", "format": "uuid"}, "text": {"type": "string"}},
+}
+NOTE_ADDED_EXAMPLE = {"id": "0b7e5c1a-9a8f-4c1e-8e5e-2f3b6c7d8e9f", "text": "hello"}
 
 MIGRATION_1 = """
 CREATE TABLE notes (
@@ -57,6 +66,7 @@ def query(statement: str, params: list) -> sql.RowSet:
 
 class Handler(exports.Handler):
     def describe(self) -> handler.Manifest:
+        contract.declare_payload(TOPIC, "NoteAdded", json.dumps(NOTE_ADDED), json.dumps(NOTE_ADDED_EXAMPLE))
         return handler.Manifest(
             name="{{name}}",
             version="0.1.0",

@@ -40,6 +40,13 @@ struct AddStock {
 
 impl Guest for Inventory {
     fn describe() -> Manifest {
+        // The event it consumes: one that breaks the contract is parked before the handler.
+        obx_sdk::declare_payload(
+            "order.events",
+            "OrderCreated",
+            include_str!("../../contracts/OrderCreated.schema.json"),
+            Some(include_str!("../../contracts/OrderCreated.example.json")),
+        );
         Manifest {
             name: "inventory".into(),
             version: env!("CARGO_PKG_VERSION").into(),

@@ -38,6 +38,12 @@ struct OrderCreated<'a> {
 
 impl Guest for Orders {
     fn describe() -> Manifest {
+        obx_sdk::declare_payload(
+            "order.events",
+            "OrderCreated",
+            include_str!("../../contracts/OrderCreated.schema.json"),
+            Some(include_str!("../../contracts/OrderCreated.example.json")),
+        );
         Manifest {
             name: "orders".into(),
             version: env!("CARGO_PKG_VERSION").into(),

@@ -61,6 +61,13 @@ pub fn emit(event: &OutboxEvent) -> Result<String, EmitError> {
     bindings::obx::plugin::outbox::emit(event)
 }
 
+/// Declares the JSON Schema of an event's payload (and an example payload), from
+/// `describe`: `emit` then refuses payloads that break it, consumed events that break it are
+/// parked before the handler, and `obx catalog` and `obx plugin test` use it.
+pub fn declare_payload(topic: &str, event_type: &str, schema: &str, example: Option<&str>) {
+    bindings::obx::plugin::contract::declare_payload(topic, event_type, schema, example)
+}
+
 /// Writes a line to the host's log.
 pub fn log(level: Level, message: &str) {
     bindings::obx::plugin::log::log(level, message)

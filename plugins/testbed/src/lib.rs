@@ -14,6 +14,15 @@ struct Testbed;
 
 impl Guest for Testbed {
     fn describe() -> Manifest {
+        obx_sdk::declare_payload("testbed.contract", "ItemEmitted", EMITTED_SCHEMA, None);
+        obx_sdk::declare_payload("testbed.events", "Checked", CHECKED_SCHEMA, Some(r#"{"qty": 1}"#));
+        // An example its own handler rejects: `obx plugin test` must call that out.
+        obx_sdk::declare_payload(
+            "testbed.inbox",
+            "Refused",
+            r#"{"type": "object"}"#,
+            Some(r#"{"reject": true}"#),
+        );
         Manifest {
             name: "testbed".into(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -349,7 +358,7 @@ fn from_sql(v: &SqlValue) -> Value {
 /// Emits events and answers ok, stopping at the first error. Fields: `count` (default 1),
 /// or `keys` (one event per key, in order); `topic`, or `topics` (event i goes to
 /// `topics[i % n]`); `event_type`; `key`; `seq` (copied into each payload); `payload_bytes`
-/// (pads it).
+/// (pads it); `payload` (sent as it is).
 /// The topics the testbed may emit to (tests pick one per purpose), each with every event
 /// type it emits. Anything else is refused by the host, which the hostile tests rely on.
 const TOPICS: &[&str] = &[
@@ -365,7 +374,15 @@ const TOPICS: &[&str] = &[
     "testbed.killed",
     "testbed.replay",
     "testbed.retention",
+    "testbed.contract",
 ];
+
+/// The payload contract of ItemEmitted on testbed.contract (what `emit` checks), and of
+/// Checked on testbed.events (what the event path checks before the handler).
+const EMITTED_SCHEMA: &str = r#"{"type": "object", "required": ["id"],
+    "properties": {"id": {"type": "string"}, "i": {"type": "integer"}}}"#;
+const CHECKED_SCHEMA: &str = r#"{"type": "object", "required": ["qty"],
+    "properties": {"qty": {"type": "integer", "minimum": 1}}}"#;
 
 fn declared_events() -> Vec<obx_sdk::EventDeclaration> {
     TOPICS
@@ -394,9 +411,10 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             .as_ref()
             .map(|k| k[i as usize].clone())
             .or_else(|| p["key"].as_str().map(String::from));
-        let payload = match p["payload_bytes"].as_u64() {
-            Some(n) => json!({ "pad": "x".repeat(n as usize) }),
-            None => json!({ "id": id, "i": i, "key": key, "seq": p["seq"] }),
+        let payload = match (p["payload_bytes"].as_u64(), p.get("payload")) {
+            (Some(n), _) => json!({ "pad": "x".repeat(n as usize) }),
+            (None, Some(given)) => given.clone(),
+            (None, None) => json!({ "id": id, "i": i, "key": key, "seq": p["seq"] }),
         };
         let event = OutboxEvent {
             event_id: None,

@@ -1,5 +1,6 @@
 //! The host side of each `obx:plugin` import, one file per WIT interface.
 
+pub(crate) mod contract;
 mod log;
 mod outbox;
 mod sql;

@@ -6,6 +6,8 @@
 //! fit what the producer can send (`limits.max_payload_bytes` is checked against the
 //! producer's `message.max.bytes` at start): an event that could never be delivered is
 //! refused here, not at the broker. The database checks the same again (`obx_api.emit`).
+//! A payload must also match the schema the plugin declared for it, if any
+//! (`obx:plugin/contract`).
 
 use crate::outbox::{EventError, RawEvent};
 use crate::runtime::bindings::outbox::{EmitError, Event, Host};
@@ -55,6 +57,16 @@ impl CallState {
             return Err(EmitError::Invalid(format!(
                 "{} on topic {:?} is not declared in the manifest's emits",
                 event.event_type, event.topic
+            )));
+        }
+        if let Err(e) = self
+            .plugin
+            .contracts
+            .check(&event.topic, &event.event_type, &event.payload)
+        {
+            return Err(EmitError::Invalid(format!(
+                "the payload of {} breaks its declared schema {e}",
+                event.event_type
             )));
         }
         if self.event_bytes + event.payload.len() > limits.max_emit_bytes_per_call {

@@ -10,6 +10,7 @@ wit_bindgen::generate!({ path: "wit", world: "obx:plugin/plugin" });
 use exports::obx::plugin::handler::{
     Command, DeliveryMode, Event, EventDeclaration, Guest, Manifest, Migration, Subscription,
 };
+use obx::plugin::contract::declare_payload;
 use obx::plugin::log::{log, Level};
 use obx::plugin::outbox::{emit, Event as OutboxEvent};
 use obx::plugin::sql::{execute, query, SqlError};
@@ -25,10 +26,17 @@ CREATE TABLE notes (
     created_at timestamptz NOT NULL DEFAULT now()
 )";
 
+/// The JSON Schema of NoteAdded's payload: `emit` refuses one that breaks it, the event
+/// path parks one that breaks it, and `obx plugin test` sends the example to the handler.
+const NOTE_ADDED: &str = r#"{"type": "object", "required": ["id", "text"],
+    "properties": {"id": {"type": "string", "format": "uuid"}, "text": {"type": "string"}}}"#;
+const NOTE_ADDED_EXAMPLE: &str = r#"{"id": "0b7e5c1a-9a8f-4c1e-8e5e-2f3b6c7d8e9f", "text": "hello"}"#;
+
 struct Plugin;
 
 impl Guest for Plugin {
     fn describe() -> Manifest {
+        declare_payload(TOPIC, "NoteAdded", NOTE_ADDED, Some(NOTE_ADDED_EXAMPLE));
         Manifest {
             name: "{{name}}".into(),
             version: env!("CARGO_PKG_VERSION").into(),
