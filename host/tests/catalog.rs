@@ -82,6 +82,21 @@ fn the_example_chain_has_a_catalogue_and_a_valid_asyncapi_document() {
     let created = &parsed["channels"]["order.events"]["messages"]["OrderCreated"];
     assert_eq!(created["payload"]["required"][0], "orderId", "{created}");
     assert_eq!(created["examples"][0]["payload"]["customerId"], "c-1", "{created}");
+    // Every event of the chain has a declared schema, in each of the three languages.
+    for (channel, message) in [
+        ("order.events", "OrderCreated"),
+        ("inventory.events", "ProductReserved"),
+        ("inventory.events", "ProductReservationFailed"),
+        ("payment.events", "PaymentRequested"),
+        ("shipping.events", "ShipmentScheduled"),
+        ("notification.events", "CustomerNotified"),
+    ] {
+        let payload = &parsed["channels"][channel]["messages"][message]["payload"];
+        assert!(
+            payload["required"].is_array(),
+            "{message} has no declared schema: {payload}"
+        );
+    }
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), &document).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/interop/validate-asyncapi.js");

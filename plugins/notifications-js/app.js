@@ -7,6 +7,21 @@
 import { query, execute } from 'obx:plugin/sql@0.2.0';
 import { emit } from 'obx:plugin/outbox@0.2.0';
 import { log } from 'obx:plugin/log@0.2.0';
+import { declarePayload } from 'obx:plugin/contract@0.2.0';
+
+// The contract of the event it emits: emit holds its payloads to it; obx catalog shows it.
+const CUSTOMER_NOTIFIED = {
+  title: 'CustomerNotified',
+  description: 'A customer was told that their order ships. Emitted by notifications on notification.events, keyed by the order id.',
+  type: 'object',
+  required: ['orderId', 'channel'],
+  properties: {
+    orderId: { type: 'string', minLength: 1 },
+    channel: { type: 'string', enum: ['email'] },
+    causationId: { type: 'string', description: 'The eventId of the ShipmentScheduled it answers.' },
+  },
+};
+const CUSTOMER_NOTIFIED_EXAMPLE = { orderId: '0b7e5c1a-9a8f-4c1e-8e5e-2f3b6c7d8e9f', channel: 'email' };
 
 const MIGRATION_1 = `
 CREATE TABLE notifications (
@@ -40,6 +55,12 @@ function parse(payload, what) {
 
 export const handler = {
   describe() {
+    declarePayload(
+      'notification.events',
+      'CustomerNotified',
+      JSON.stringify(CUSTOMER_NOTIFIED),
+      JSON.stringify(CUSTOMER_NOTIFIED_EXAMPLE),
+    );
     return {
       name: 'notifications',
       version: '0.1.0',

@@ -10,7 +10,7 @@ import json
 from componentize_py_types import Err
 from wit_world import exports
 from wit_world.exports import handler
-from wit_world.imports import log, outbox, sql, types
+from wit_world.imports import contract, log, outbox, sql, types
 
 MIGRATION_1 = """
 CREATE TABLE shipments (
@@ -20,6 +20,21 @@ CREATE TABLE shipments (
     scheduled_at timestamptz NOT NULL DEFAULT now()
 )
 """
+
+
+# The contract of the event it emits: emit holds its payloads to it; obx catalog shows it.
+SHIPMENT_SCHEDULED = {
+    "title": "ShipmentScheduled",
+    "description": "A paid order's shipment was scheduled. Emitted by shipping on shipping.events, keyed by the order id.",
+    "type": "object",
+    "required": ["orderId", "carrier"],
+    "properties": {
+        "orderId": {"type": "string", "minLength": 1},
+        "carrier": {"type": "string", "enum": ["dhl", "ups"]},
+        "causationId": {"type": "string", "description": "The eventId of the PaymentRequested it answers."},
+    },
+}
+SHIPMENT_SCHEDULED_EXAMPLE = {"orderId": "0b7e5c1a-9a8f-4c1e-8e5e-2f3b6c7d8e9f", "carrier": "dhl"}
 
 
 def invalid(message: str) -> Err:
@@ -45,6 +60,12 @@ def carrier_for(order_id: str) -> str:
 
 class Handler(exports.Handler):
     def describe(self) -> handler.Manifest:
+        contract.declare_payload(
+            "shipping.events",
+            "ShipmentScheduled",
+            json.dumps(SHIPMENT_SCHEDULED),
+            json.dumps(SHIPMENT_SCHEDULED_EXAMPLE),
+        )
         return handler.Manifest(
             name="shipping",
             version="0.1.0",

@@ -47,6 +47,19 @@ impl Guest for Inventory {
             include_str!("../../contracts/OrderCreated.schema.json"),
             Some(include_str!("../../contracts/OrderCreated.example.json")),
         );
+        // The events it emits: `emit` holds its own payloads to these.
+        obx_sdk::declare_payload(
+            "inventory.events",
+            "ProductReserved",
+            include_str!("../../contracts/ProductReserved.schema.json"),
+            Some(include_str!("../../contracts/ProductReserved.example.json")),
+        );
+        obx_sdk::declare_payload(
+            "inventory.events",
+            "ProductReservationFailed",
+            include_str!("../../contracts/ProductReservationFailed.schema.json"),
+            Some(include_str!("../../contracts/ProductReservationFailed.example.json")),
+        );
         Manifest {
             name: "inventory".into(),
             version: env!("CARGO_PKG_VERSION").into(),

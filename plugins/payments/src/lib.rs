@@ -23,6 +23,20 @@ struct ProductReserved {
 
 impl Guest for Payments {
     fn describe() -> Manifest {
+        // What it takes in (one that breaks the contract is parked before the handler) and
+        // what it sends on.
+        obx_sdk::declare_payload(
+            "inventory.events",
+            "ProductReserved",
+            include_str!("../../contracts/ProductReserved.schema.json"),
+            Some(include_str!("../../contracts/ProductReserved.example.json")),
+        );
+        obx_sdk::declare_payload(
+            "payment.events",
+            "PaymentRequested",
+            include_str!("../../contracts/PaymentRequested.schema.json"),
+            Some(include_str!("../../contracts/PaymentRequested.example.json")),
+        );
         Manifest {
             name: "payments".into(),
             version: env!("CARGO_PKG_VERSION").into(),
