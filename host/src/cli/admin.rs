@@ -1,0 +1,332 @@
+//! The commands that ask a running host through its admin API (`obx status`, `obx catalog`,
+//! `obx dlq`, `obx outbox replay`), or, with `--direct`, the database itself.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use sqlx::PgPool;
+
+use super::{DlqCommand, HostArgs};
+use crate::config::Config;
+
+/// A running host's admin API.
+struct Admin {
+    base: String,
+    token: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Admin {
+    fn new(config: &Config, host: &HostArgs) -> Admin {
+        let base = host
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", config.http.listen));
+        let token = host
+            .token
+            .clone()
+            .or_else(|| config.http.auth.admin_tokens.first().map(|t| t.expose().to_string()));
+        Admin {
+            base: base.trim_end_matches('/').to_string(),
+            token,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn get(&self, path: &str, query: &[(&str, String)]) -> Result<serde_json::Value> {
+        self.send(self.client.get(format!("{}{path}", self.base)).query(query))
+            .await
+    }
+
+    async fn post(&self, path: &str, body: &impl serde::Serialize) -> Result<serde_json::Value> {
+        self.send(self.client.post(format!("{}{path}", self.base)).json(body))
+            .await
+    }
+
+    async fn send(&self, mut request: reqwest::RequestBuilder) -> Result<serde_json::Value> {
+        request = request.timeout(std::time::Duration::from_secs(60));
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let base = &self.base;
+        let response = request.send().await.with_context(|| {
+            format!(
+                "reaching the host at {base} (is it running? For a host that is down, `obx dlq` and \
+                 `obx outbox replay` take --direct, with DATABASE_URL)"
+            )
+        })?;
+        let code = response.status();
+        let body: serde_json::Value = response
+            .json()
+            .await
+            .with_context(|| format!("reading {base}'s answer"))?;
+        if !code.is_success() {
+            anyhow::bail!(
+                "{base} answered {code}: {}",
+                body["error"]["message"].as_str().unwrap_or("?")
+            );
+        }
+        Ok(body)
+    }
+}
+
+pub(super) async fn catalog(config: Option<PathBuf>, host: HostArgs, asyncapi: bool, json: bool) -> Result<ExitCode> {
+    if host.direct {
+        anyhow::bail!("`obx catalog` asks a running host; --direct does not apply to it");
+    }
+    let config = Config::load(config.as_deref())?;
+    let admin = Admin::new(&config, &host);
+    let format = if asyncapi { "asyncapi" } else { "json" };
+    let body = admin.get("/v1/catalog", &[("format", format.to_string())]).await?;
+    if asyncapi || json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let catalog: crate::catalog::Catalog = serde_json::from_value(body).context("reading the catalogue")?;
+    if catalog.events.is_empty() {
+        println!("no events: no plugin emits or consumes any");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<[String; 4]> = catalog
+        .events
+        .iter()
+        .map(|e| {
+            let consumers: Vec<String> = e
+                .consumed_by
+                .iter()
+                .map(|c| format!("{} ({})", c.plugin, c.mode))
+                .collect();
+            let or_dash = |s: String| if s.is_empty() { "-".to_string() } else { s };
+            [
+                e.kafka_topic.clone(),
+                e.event_type.clone(),
+                or_dash(e.emitted_by.join(", ")),
+                or_dash(consumers.join(", ")),
+            ]
+        })
+        .collect();
+    print_table(&["topic", "event type", "emitted by", "consumed by"], &rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints rows under a header, each column as wide as its widest cell.
+fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; N]| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(*header);
+    for row in rows {
+        line(std::array::from_fn(|i| row[i].as_str()));
+    }
+}
+
+pub(super) async fn status(config: Option<PathBuf>, host: HostArgs, json: bool) -> Result<ExitCode> {
+    if host.direct {
+        anyhow::bail!("`obx status` asks a running host; --direct does not apply to it");
+    }
+    let config = Config::load(config.as_deref())?;
+    let admin = Admin::new(&config, &host);
+    let base = admin.base.clone();
+    let body = admin.get("/v1/status", &[]).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let ready = body["ready"].as_bool().unwrap_or(false);
+    println!("OBX at {base}: {}", if ready { "ready" } else { "NOT READY" });
+    println!("\nplugins");
+    let none = Vec::new();
+    for p in body["plugins"].as_array().unwrap_or(&none) {
+        let s = |k: &str| p[k].as_str().unwrap_or("-").to_string();
+        println!(
+            "  {:<16} {:<10} {:<7} loaded {}  file {}",
+            s("name"),
+            s("version"),
+            s("state"),
+            s("loaded_at"),
+            s("file")
+        );
+        if let Some(e) = p["last_error"].as_str() {
+            println!("    last error: {e}");
+        }
+    }
+    let o = &body["outbox"];
+    println!(
+        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery, {} set aside (refused for good)",
+        o["backlog"],
+        o["oldest_unpublished_seconds"].as_f64().unwrap_or(0.0),
+        o["rows_failing"],
+        o["rows_set_aside"]
+    );
+    println!(
+        "\nconsumption\n  {:<16} {:>8} {:>8} {:>13} {:>12}",
+        "plugin", "lag", "inbox", "dead letters", "quarantined"
+    );
+    for c in body["consumption"].as_array().unwrap_or(&none) {
+        // As strings: a JSON value ignores the width it is printed with.
+        let n = |k: &str| c[k].as_i64().map_or_else(|| "-".to_string(), |n| n.to_string());
+        println!(
+            "  {:<16} {:>8} {:>8} {:>13} {:>12}",
+            c["plugin"].as_str().unwrap_or("?"),
+            n("lag"),
+            n("inbox_backlog"),
+            n("dead_letters"),
+            n("quarantined")
+        );
+    }
+    Ok(if ready { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Where an admin command goes: a host's API, or the database itself.
+enum Target {
+    Host(Admin),
+    Database(PgPool),
+}
+
+impl Target {
+    async fn of(config: &Config, host: &HostArgs) -> Result<Target> {
+        if !host.direct {
+            return Ok(Target::Host(Admin::new(config, host)));
+        }
+        let url = config
+            .database
+            .url
+            .as_ref()
+            .context("--direct needs the database: set DATABASE_URL or database.url")?;
+        Ok(Target::Database(
+            crate::db::connect(url.expose(), &config.database).await?,
+        ))
+    }
+}
+
+/// The query of `GET /v1/dlq` and `/v1/quarantine`.
+fn dlq_query(plugin: Option<String>, all: bool) -> Vec<(&'static str, String)> {
+    let mut query = vec![("all", all.to_string())];
+    query.extend(plugin.map(|p| ("plugin", p)));
+    query
+}
+
+pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCommand) -> Result<ExitCode> {
+    use crate::inbox::dlq;
+    let config = Config::load(config.as_deref())?;
+    let target = Target::of(&config, &host).await?;
+    match command {
+        DlqCommand::List { plugin, all, json } => {
+            let letters: Vec<dlq::DeadLetter> = match &target {
+                Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all).await?,
+                Target::Host(admin) => {
+                    serde_json::from_value(admin.get("/v1/dlq", &dlq_query(plugin.clone(), all)).await?)?
+                }
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&letters)?);
+            } else if letters.is_empty() {
+                println!("no parked events");
+            } else {
+                println!(
+                    "{:>6}  {:<10}  {:<14}  {:<20}  {:>8}  {:>7}  error",
+                    "id", "status", "plugin", "key", "attempts", "waiting"
+                );
+                for d in letters {
+                    println!(
+                        "{:>6}  {:<10}  {:<14}  {:<20}  {:>8}  {:>7}  {} ({} {})",
+                        d.id,
+                        d.status,
+                        d.consumer,
+                        d.partition_key.unwrap_or_default(),
+                        d.attempts,
+                        d.waiting,
+                        d.error,
+                        d.event_type,
+                        d.event_id
+                    );
+                }
+            }
+        }
+        DlqCommand::Retry { ids } | DlqCommand::Discard { ids } if ids.is_empty() => {
+            anyhow::bail!("give the ids of the dead letters (see `obx dlq list`)");
+        }
+        DlqCommand::Retry { ids } => {
+            for id in ids {
+                match &target {
+                    Target::Database(pool) => dlq::retry(pool, id).await?,
+                    Target::Host(admin) => drop(admin.post(&format!("/v1/dlq/{id}/retry"), &()).await?),
+                }
+                println!("{id}: sent back for processing");
+            }
+        }
+        DlqCommand::Discard { ids } => {
+            for id in ids {
+                match &target {
+                    Target::Database(pool) => dlq::discard(pool, id).await?,
+                    Target::Host(admin) => drop(admin.post(&format!("/v1/dlq/{id}/discard"), &()).await?),
+                }
+                println!("{id}: discarded");
+            }
+        }
+        DlqCommand::Quarantine { plugin, json } => {
+            let rows: Vec<dlq::Quarantined> = match &target {
+                Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref()).await?,
+                Target::Host(admin) => {
+                    serde_json::from_value(admin.get("/v1/quarantine", &dlq_query(plugin.clone(), false)).await?)?
+                }
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                println!("no quarantined messages");
+            } else {
+                for q in rows {
+                    println!(
+                        "{:>6}  {}  {}[{}]@{}  {}",
+                        q.id, q.consumer, q.topic, q.kafka_partition, q.kafka_offset, q.reason
+                    );
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(super) async fn outbox_replay(
+    config: Option<PathBuf>,
+    host: HostArgs,
+    filter: crate::outbox::replay::ReplayFilter,
+) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    if !host.direct {
+        if filter.is_empty() {
+            anyhow::bail!(crate::outbox::replay::NO_FILTER);
+        }
+        let answer = Admin::new(&config, &host).post("/v1/outbox/replay", &filter).await?;
+        println!("replayed {} events", answer["replayed"]);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let url = config
+        .database
+        .url
+        .as_ref()
+        .context("replay needs a database: set DATABASE_URL or database.url")?;
+    if config.kafka.brokers.trim().is_empty() {
+        anyhow::bail!("replay needs brokers: set KAFKA_BROKERS or kafka.brokers");
+    }
+    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let brokers = crate::kafka::Brokers::start(&config.kafka)?;
+    let producer = crate::outbox::relay::producer(
+        &brokers,
+        &config.kafka,
+        config.relay.linger_ms,
+        Some(std::time::Duration::from_secs(30)),
+    )?;
+    let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter).await?;
+    println!("replayed {sent} events");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,114 @@
+//! The plugin author's commands: `obx plugin new`, `check` and `test`, and `obx wit`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+
+use crate::config::Config;
+
+pub(super) async fn plugin_test(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let checks = crate::conformance::run(&file, &config).await?;
+    let passed = checks.iter().all(|c| c.passed);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&checks)?);
+    } else {
+        println!("{}:", file.display());
+        for c in &checks {
+            println!("  {} {}: {}", if c.passed { "ok  " } else { "FAIL" }, c.rule, c.detail);
+        }
+        println!("{}", if passed { "conformant" } else { "NOT conformant" });
+    }
+    Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+pub(super) fn plugin_new(name: &str, language: crate::scaffold::Language, dir: Option<PathBuf>) -> Result<ExitCode> {
+    let dir = dir.unwrap_or_else(|| PathBuf::from(name));
+    let files = crate::scaffold::new_project(name, language, &dir)?;
+    println!("made plugin {name} in {}:", dir.display());
+    for f in files {
+        println!("  {}", f.display());
+    }
+    println!(
+        "next: cd {} && ./test.sh   (builds {name}.wasm and runs `obx plugin test` on it)",
+        dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(super) fn wit(out: Option<PathBuf>) -> Result<ExitCode> {
+    match out {
+        None => print!("{}", crate::scaffold::WIT),
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join("obx.wit");
+            std::fs::write(&path, crate::scaffold::WIT).with_context(|| format!("writing {}", path.display()))?;
+            println!(
+                "wrote {} (obx:plugin@{})",
+                path.display(),
+                crate::scaffold::wit_version()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(super) async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
+    let config = Config::load(config.as_deref())?;
+    let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+    // Offline: no database, no broker. It shares the host's compile cache, so a second check
+    // of a file is quick.
+    let runtime = crate::runtime::Runtime::new(config.limits, config.plugins.cache_settings())?;
+    let started = std::time::Instant::now();
+    match crate::runtime::loader::load(&runtime, bytes).await {
+        Ok(plugin) => {
+            let m = &plugin.manifest;
+            if json {
+                println!("{}", serde_json::to_string_pretty(m)?);
+            } else {
+                println!("{}: ok", file.display());
+                println!("  plugin        {} {}", m.name, m.version);
+                println!("  sha256        {}", plugin.sha256);
+                println!(
+                    "  compiled      {} ({:.1} s)",
+                    if plugin.from_cache {
+                        "from the compile cache"
+                    } else {
+                        "now"
+                    },
+                    started.elapsed().as_secs_f64()
+                );
+                println!("  commands      {}", m.commands.join(", "));
+                for s in &m.subscriptions {
+                    let types = if s.event_types.is_empty() {
+                        "*".to_string()
+                    } else {
+                        s.event_types.join(", ")
+                    };
+                    println!("  subscription  {} [{types}] ({:?})", s.topic, s.mode);
+                }
+                for mig in &m.migrations {
+                    println!(
+                        "  migration     {} {} ({} statements)",
+                        mig.id,
+                        mig.name,
+                        mig.statements.len()
+                    );
+                }
+                for p in &m.payloads {
+                    let example = if p.example.is_some() { ", with an example" } else { "" };
+                    println!(
+                        "  payload       {} on {}: a JSON Schema{example}",
+                        p.event_type, p.topic
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("{}: {e}", file.display());
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
