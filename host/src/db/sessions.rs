@@ -44,6 +44,9 @@ pub struct Sessions {
     pools: Mutex<HashMap<String, (Login, PgPool)>>,
     /// When each plugin's password was last set anew (see [`Sessions::begin`]).
     rotated: Mutex<HashMap<String, std::time::Instant>>,
+    /// Held while a password is set anew, so that a call that met the refusal meanwhile
+    /// waits for the new login rather than trying the old one again.
+    rotating: tokio::sync::Mutex<()>,
 }
 
 /// Why a plugin session could not be had.
@@ -93,6 +96,7 @@ impl Sessions {
             acquire_timeout: config.acquire_timeout,
             pools: Mutex::new(HashMap::new()),
             rotated: Mutex::new(HashMap::new()),
+            rotating: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -131,20 +135,28 @@ impl Sessions {
     /// once a minute, and tries again.
     pub async fn begin(&self, name: &str) -> Result<PluginTx, SessionError> {
         match self.try_begin(name).await {
-            Err(SessionError::Database(sqlx::Error::Database(e))) if e.code().as_deref() == Some("28P01") => {
+            Err(e) if refused_password(&e) => {
                 self.rotate(name).await?;
-                self.try_begin(name).await
+                match self.try_begin(name).await {
+                    Err(e) if refused_password(&e) => Err(SessionError::Login(name.to_string())),
+                    other => other,
+                }
             }
             other => other,
         }
     }
 
+    /// Sets a new password for plugin `name`'s role, unless one was set less than a minute
+    /// ago: then the caller tries again with that one (two calls that met the refusal at
+    /// once, such as a command and a consumer, must not both fail), and a plugin that keeps
+    /// changing its password cannot make the host keep resetting it.
     async fn rotate(&self, name: &str) -> Result<(), SessionError> {
+        let _one_at_a_time = self.rotating.lock().await;
         let mut login = self.login(name)?;
         {
             let mut rotated = self.rotated.lock().unwrap_or_else(|e| e.into_inner());
             if rotated.get(name).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
-                return Err(SessionError::Login(name.to_string()));
+                return Ok(());
             }
             rotated.insert(name.to_string(), std::time::Instant::now());
         }
@@ -232,6 +244,11 @@ impl Sessions {
             pool.close().await;
         }
     }
+}
+
+/// Whether the server refused the plugin role's password (`28P01`).
+fn refused_password(e: &SessionError) -> bool {
+    matches!(e, SessionError::Database(sqlx::Error::Database(d)) if d.code().as_deref() == Some("28P01"))
 }
 
 /// Whether `e` says the session's backend is gone: the connection closed, or the server
