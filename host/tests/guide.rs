@@ -10,21 +10,10 @@ use std::time::Duration;
 
 mod common;
 
-use common::{blocks, obx, serve_dir, stop, wait_ready, Served};
+use common::{blocks, obx, run, serve_dir, stop, wait_ready, Served};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn run(what: &str, cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
-    text
 }
 
 /// Builds a Rust block as the `src/lib.rs` of a crate of its own; returns the component.

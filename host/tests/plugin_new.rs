@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{obx, serve_dir, stop, wait_ready, Served};
+use common::{obx, run, serve_dir, stop, wait_ready, Served};
 
 const LANGUAGES: &[(&str, &str)] = &[("rust", "notes_rs"), ("python", "notes_py"), ("javascript", "notes_js")];
 
@@ -34,17 +34,6 @@ fn path_with_obx() -> std::ffi::OsString {
     let mut dirs = vec![bin];
     dirs.extend(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()));
     std::env::join_paths(dirs).unwrap()
-}
-
-fn run(what: &str, cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
-    text
 }
 
 #[test]

@@ -144,3 +144,15 @@ pub fn blocks(markdown: &str, language: &str) -> Vec<String> {
     assert!(current.is_none(), "an unclosed ```{language} block");
     found
 }
+
+/// Runs `cmd` and returns its stdout and stderr; panics with both when it fails.
+pub fn run(what: &str, cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+    text
+}
