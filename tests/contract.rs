@@ -15,10 +15,15 @@ use serde_json::json;
 const CONTRACT_TOPIC: &str = "testbed.contract";
 
 async fn emit(host: &TestHost, payload: serde_json::Value) -> Result<(), String> {
+    run(host, json!({ "topic": CONTRACT_TOPIC, "payload": payload })).await
+}
+
+/// The testbed's `emit` command with its arguments.
+async fn run(host: &TestHost, arguments: serde_json::Value) -> Result<(), String> {
     let request = CommandRequest {
         plugin: "testbed".into(),
         command: "emit".into(),
-        payload: json!({ "topic": CONTRACT_TOPIC, "payload": payload }).to_string(),
+        payload: arguments.to_string(),
         idempotency_key: None,
         request_id: uuid::Uuid::new_v4().to_string(),
         parent_trace: None,
@@ -55,6 +60,46 @@ async fn emit_refuses_a_payload_that_breaks_its_declared_schema_and_names_the_fi
         .await;
     assert_eq!(answer.status, 500, "{}", answer.text);
     assert!(!answer.text.contains("schema"), "{}", answer.text);
+    host.shutdown().await;
+}
+
+/// The testbed declares ItemWritten on its contract topic as an array whose every item is
+/// one of 1,000 numbers: a few bytes of payload can ask the host for a million comparisons.
+/// The host bounds what the checks of one event, and of one call's emits, may cost before
+/// they run; past the bound the call fails at once and commits nothing.
+#[tokio::test]
+async fn a_payload_too_costly_to_check_is_refused_before_the_check_runs() {
+    let host = spawn_host(&["testbed"]).await;
+    let rows = || host.count("SELECT count(*) FROM obx.outbox_event WHERE event_type = 'ItemWritten'");
+    let written = |items: usize, count: u64| {
+        json!({ "topic": CONTRACT_TOPIC, "event_type": "ItemWritten", "count": count,
+                "payload": vec![999; items] })
+    };
+    // 1,000 items: up to 2 million comparisons, within the bound.
+    assert_eq!(run(&host, written(1_000, 1)).await, Ok(()));
+    assert_eq!(rows().await, 1);
+    // And an item that is none of the numbers is named.
+    let e = run(
+        &host,
+        json!({ "topic": CONTRACT_TOPIC, "event_type": "ItemWritten", "payload": [1, 1000] }),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.contains("breaks its declared schema at /1"), "{e}");
+
+    // 5,000 items (20 KB): refused before the check, in well under the call's deadline.
+    let started = std::time::Instant::now();
+    let e = run(&host, written(5_000, 1)).await.unwrap_err();
+    assert!(e.contains("is too costly to check against its declared schema"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    // Three events of 1,000 items in one call: the third is past the call's budget.
+    let e = run(&host, written(1_000, 3)).await.unwrap_err();
+    assert!(e.contains("too costly") && e.contains("are left"), "{e}");
+    assert_eq!(rows().await, 1, "nothing of the refused calls committed");
+    // The host goes on serving, and the budget is per call.
+    assert_eq!(run(&host, written(1_000, 1)).await, Ok(()));
+    assert_eq!(emit(&host, json!({ "id": "after" })).await, Ok(()));
+    assert_eq!(rows().await, 2);
     host.shutdown().await;
 }
 

@@ -108,14 +108,15 @@ pub(crate) async fn run(
 ) -> sqlx::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
     for (at, job) in jobs.iter().enumerate() {
-        if let Err(e) = plugin
-            .identity
-            .contracts
-            .check(&job.event.topic, &job.event.event_type, &job.event.payload)
-        {
+        if let Err(e) = plugin.identity.contracts.check(
+            &job.event.topic,
+            &job.event.event_type,
+            &job.event.payload,
+            &mut crate::runtime::contract::MAX_CHECK_COST.clone(),
+        ) {
             // Not for the handler: the plugin said it cannot take such a payload.
             let failure = Failure {
-                error: format!("the payload breaks the declared schema of {} {e}", job.event.event_type),
+                error: format!("the payload of {} {e}", job.event.event_type),
                 retriable: false,
             };
             return Ok(Ran::Open {

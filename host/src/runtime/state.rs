@@ -30,6 +30,9 @@ pub struct CallState {
     pub(super) events: Vec<NewEvent>,
     /// Payload bytes of `events`.
     pub(super) event_bytes: usize,
+    /// What checking this call's payloads against their schemas may still cost (see
+    /// `runtime::contract`): one budget for all its emits.
+    pub(super) check_budget: u64,
     /// The first reason this call can no longer commit (a failed statement, a limit).
     pub(super) failure: Option<String>,
     /// Wall-clock deadline of the call, Wasm and SQL together.
@@ -68,6 +71,7 @@ impl CallState {
             tx,
             events: Vec::new(),
             event_bytes: 0,
+            check_budget: super::contract::MAX_CHECK_COST,
             failure: None,
             deadline,
             request_id,

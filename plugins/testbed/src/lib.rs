@@ -16,6 +16,7 @@ impl Guest for Testbed {
     fn describe() -> Manifest {
         obx_sdk::declare_payload("testbed.contract", "ItemEmitted", EMITTED_SCHEMA, None);
         obx_sdk::declare_payload("testbed.events", "Checked", CHECKED_SCHEMA, Some(r#"{"qty": 1}"#));
+        obx_sdk::declare_payload("testbed.contract", "ItemWritten", &costly_schema(), None);
         // An example its own handler rejects: `obx plugin test` must call that out.
         obx_sdk::declare_payload(
             "testbed.inbox",
@@ -383,6 +384,13 @@ const EMITTED_SCHEMA: &str = r#"{"type": "object", "required": ["id"],
     "properties": {"id": {"type": "string"}, "i": {"type": "integer"}}}"#;
 const CHECKED_SCHEMA: &str = r#"{"type": "object", "required": ["qty"],
     "properties": {"qty": {"type": "integer", "minimum": 1}}}"#;
+
+/// ItemWritten on testbed.contract: an array whose every item is one of 1,000 numbers, which
+/// the host may have to compare with each of them. Cheap to declare, dear to check.
+fn costly_schema() -> String {
+    let choices: Vec<Value> = (0..1000).map(|i| json!({ "const": i })).collect();
+    json!({ "type": "array", "items": { "anyOf": choices } }).to_string()
+}
 
 fn declared_events() -> Vec<obx_sdk::EventDeclaration> {
     TOPICS

@@ -59,15 +59,12 @@ impl CallState {
                 event.event_type, event.topic
             )));
         }
-        if let Err(e) = self
-            .plugin
-            .contracts
-            .check(&event.topic, &event.event_type, &event.payload)
+        if let Err(e) =
+            self.plugin
+                .contracts
+                .check(&event.topic, &event.event_type, &event.payload, &mut self.check_budget)
         {
-            return Err(EmitError::Invalid(format!(
-                "the payload of {} breaks its declared schema {e}",
-                event.event_type
-            )));
+            return Err(EmitError::Invalid(format!("the payload of {} {e}", event.event_type)));
         }
         if self.event_bytes + event.payload.len() > limits.max_emit_bytes_per_call {
             return Err(EmitError::Limit(format!(

@@ -1,0 +1,330 @@
+//! A plugin's payload contract: the compiled JSON Schemas of the payloads it declared
+//! (`obx:plugin/contract`). `emit` checks what the plugin sends against them, the event path
+//! checks what it receives, and the conformance check builds sample events from them.
+//!
+//! Schemas come from plugins, so compiling and checking must be safe with hostile ones:
+//! no remote or file `$ref` is fetched (the resolvers are not built in and only local
+//! references are allowed), `pattern` uses the `regex` engine, whose matching time is
+//! linear, never a backtracking one, with a bounded program size, and what a check may
+//! cost is bounded before it runs ([`cost`]).
+
+mod cost;
+mod sample;
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use super::manifest::PayloadContract;
+pub use cost::{MAX_CHECK_COST, MAX_NESTING, MAX_SUBSCHEMAS};
+pub use sample::sample;
+
+/// The most a compiled `pattern` may take, in bytes of the `regex` crate's program.
+const MAX_PATTERN_PROGRAM_BYTES: usize = 256 * 1024;
+
+#[derive(Default)]
+pub struct Contracts {
+    by_event: HashMap<(String, String), Contract>,
+}
+
+struct Contract {
+    validator: jsonschema::Validator,
+    cost: cost::Cost,
+}
+
+impl std::fmt::Debug for Contracts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.by_event.keys()).finish()
+    }
+}
+
+impl Contracts {
+    /// Compiles every declared schema and checks each example against its own schema.
+    pub fn compile(payloads: &[PayloadContract]) -> Result<Contracts, String> {
+        let mut by_event = HashMap::new();
+        for p in payloads {
+            let what = format!("the payload schema of {} on {:?}", p.event_type, p.topic);
+            // Before the validator compiles it: compiling costs what the schema expands to.
+            let cost = cost::analyse(&p.schema).map_err(|e| format!("contract: {what} may not be used: {e}"))?;
+            let validator =
+                validator(&p.schema).map_err(|e| format!("contract: {what} is not a valid JSON Schema: {e}"))?;
+            let contract = Contract { validator, cost };
+            if let Some(example) = &p.example {
+                contract
+                    .check(example, &mut MAX_CHECK_COST.clone())
+                    .map_err(|e| format!("contract: the example of {} {e}", p.event_type))?;
+            }
+            by_event.insert((p.topic.clone(), p.event_type.clone()), contract);
+        }
+        Ok(Contracts { by_event })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_event.is_empty()
+    }
+
+    /// Checks `payload` (JSON text) against the schema of `event_type` on `topic`, if one
+    /// was declared, and takes what the check may cost from `budget` (in subschema
+    /// applications; [`MAX_CHECK_COST`] for one event, or for all the emits of one call).
+    /// `Err` completes "the payload of T …": it names the first field that breaks the
+    /// schema, or says the check would cost more than is left.
+    pub fn check(&self, topic: &str, event_type: &str, payload: &str, budget: &mut u64) -> Result<(), String> {
+        let Some(contract) = self.by_event.get(&(topic.to_string(), event_type.to_string())) else {
+            return Ok(());
+        };
+        let value: Value = serde_json::from_str(payload).map_err(|e| format!("is not JSON: {e}"))?;
+        contract.check(&value, budget)
+    }
+}
+
+impl Contract {
+    fn check(&self, value: &Value, budget: &mut u64) -> Result<(), String> {
+        let cost = self.cost.of(value);
+        if cost > *budget {
+            return Err(format!(
+                "is too costly to check against its declared schema: up to {cost} subschema \
+                 applications, and {budget} of the {MAX_CHECK_COST} allowed are left"
+            ));
+        }
+        *budget -= cost;
+        self.validator
+            .validate(value)
+            .map_err(|e| format!("breaks its declared schema {}", describe(&e)))
+    }
+}
+
+/// The validator of a schema that [`cost::analyse`] accepted. The draft is the schema's
+/// `$schema`, 2020-12 when it names none.
+fn validator(schema: &Value) -> Result<jsonschema::Validator, String> {
+    let patterns = jsonschema::PatternOptions::regex()
+        .size_limit(MAX_PATTERN_PROGRAM_BYTES)
+        .dfa_size_limit(MAX_PATTERN_PROGRAM_BYTES);
+    jsonschema::options()
+        .should_validate_formats(true)
+        .with_pattern_options(patterns)
+        .build(schema)
+        .map_err(|e| e.to_string())
+}
+
+/// A validation error as `at /items/0/quantity: "three" is not of type "integer"`.
+fn describe(e: &jsonschema::ValidationError<'_>) -> String {
+    let path = e.instance_path().to_string();
+    let at = if path.is_empty() { "/".to_string() } else { path };
+    format!("at {at}: {e}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn contract(schema: Value, example: Option<Value>) -> PayloadContract {
+        PayloadContract {
+            topic: "order.events".into(),
+            event_type: "OrderCreated".into(),
+            schema,
+            example,
+        }
+    }
+
+    fn check(contracts: &Contracts, event_type: &str, payload: &str) -> Result<(), String> {
+        contracts.check("order.events", event_type, payload, &mut MAX_CHECK_COST.clone())
+    }
+
+    fn order_schema() -> Value {
+        json!({
+            "type": "object",
+            "required": ["orderId", "items"],
+            "properties": {
+                "orderId": { "type": "string", "format": "uuid" },
+                "items": { "type": "array", "items": {
+                    "type": "object", "required": ["quantity"],
+                    "properties": { "quantity": { "type": "integer", "minimum": 1 } }
+                } }
+            }
+        })
+    }
+
+    #[test]
+    fn a_payload_that_breaks_the_schema_is_refused_with_its_field_named() {
+        let contracts = Contracts::compile(&[contract(order_schema(), None)]).unwrap();
+        let ok = r#"{"orderId": "7f1c1f8e-6c1e-4b8e-9d4a-3f0e2b8f0a11", "items": [{"quantity": 2}]}"#;
+        assert_eq!(check(&contracts, "OrderCreated", ok), Ok(()));
+        let bad = r#"{"orderId": "7f1c1f8e-6c1e-4b8e-9d4a-3f0e2b8f0a11", "items": [{"quantity": "two"}]}"#;
+        let e = check(&contracts, "OrderCreated", bad).unwrap_err();
+        assert!(e.contains("/items/0/quantity"), "{e}");
+        let e = check(&contracts, "OrderCreated", r#"{"orderId": "x", "items": []}"#).unwrap_err();
+        assert!(e.contains("/orderId"), "{e}");
+        // Undeclared events are not checked.
+        assert_eq!(check(&contracts, "OrderShipped", "{}"), Ok(()));
+    }
+
+    #[test]
+    fn bad_schemas_and_examples_are_refused_and_remote_refs_are_not_fetched() {
+        let e = Contracts::compile(&[contract(json!({"type": "nonsense"}), None)]).unwrap_err();
+        assert!(e.contains("not a valid JSON Schema"), "{e}");
+        let e = Contracts::compile(&[contract(order_schema(), Some(json!({"orderId": 1})))]).unwrap_err();
+        assert!(e.contains("example"), "{e}");
+        let remote = json!({ "$ref": "http://169.254.169.254/latest/meta-data" });
+        assert!(Contracts::compile(&[contract(remote, None)]).is_err());
+        let file = json!({ "$ref": "file:///etc/passwd" });
+        assert!(Contracts::compile(&[contract(file, None)]).is_err());
+    }
+
+    #[test]
+    fn a_catastrophic_pattern_is_matched_in_linear_time() {
+        let schema = json!({ "type": "string", "pattern": "^(a+)+$" });
+        let contracts = Contracts::compile(&[contract(schema, None)]).unwrap();
+        let payload = format!("\"{}!\"", "a".repeat(100_000));
+        let started = std::time::Instant::now();
+        assert!(check(&contracts, "OrderCreated", &payload).is_err());
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    /// `levels` of `anyOf` that each name the next level twice: 2^levels subschemas.
+    fn doubling(levels: usize) -> Value {
+        let mut defs = serde_json::Map::new();
+        for i in 0..levels {
+            let next = json!({ "$ref": format!("#/$defs/d{}", i + 1) });
+            defs.insert(format!("d{i}"), json!({ "anyOf": [next, next] }));
+        }
+        defs.insert(format!("d{levels}"), json!({ "type": "string" }));
+        json!({ "$defs": defs, "$ref": "#/$defs/d0" })
+    }
+
+    fn timed<T>(what: &str, f: impl FnOnce() -> T) -> T {
+        let started = std::time::Instant::now();
+        let out = f();
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(2), "{what} took {took:?}");
+        out
+    }
+
+    #[test]
+    fn a_schema_that_expands_past_the_bound_is_refused_at_load_at_once() {
+        // 12 levels (4,096 ways through, 12,286 subschemas with the $ref holders) are allowed.
+        let contracts = timed("12 levels", || Contracts::compile(&[contract(doubling(12), None)])).unwrap();
+        timed("a check", || assert!(check(&contracts, "OrderCreated", "1").is_err()));
+        // 20 levels are a million: checking a payload took 5.4 s (a debug build), 22 took 33 s.
+        let e = timed("20 levels", || Contracts::compile(&[contract(doubling(20), None)])).unwrap_err();
+        assert!(e.contains("expands to more than 20000 subschemas"), "{e}");
+        // 40 would be a trillion.
+        let e = timed("40 levels", || Contracts::compile(&[contract(doubling(40), None)])).unwrap_err();
+        assert!(e.contains("may not be used"), "{e}");
+        // An `enum` of 30,000 values weighs as much.
+        let big_enum = json!({ "enum": (0..30_000).collect::<Vec<_>>() });
+        let e = Contracts::compile(&[contract(big_enum, None)]).unwrap_err();
+        assert!(e.contains("expands"), "{e}");
+    }
+
+    #[test]
+    fn references_a_bound_cannot_follow_are_refused() {
+        let refused = [
+            (json!({ "type": "array", "items": { "$ref": "#" } }), "refers to itself"),
+            (
+                json!({ "$defs": { "a": { "allOf": [{ "$ref": "#/$defs/a" }] } }, "$ref": "#/$defs/a" }),
+                "refers to itself",
+            ),
+            (json!({ "$ref": "order.json#/$defs/a" }), "not local"),
+            (json!({ "$ref": "#/$defs/missing" }), "names no schema"),
+            (json!({ "$ref": "#nowhere" }), "names no schema"),
+            (json!({ "$dynamicRef": "#meta" }), "$dynamicRef is not supported"),
+            (
+                json!({ "properties": { "a": { "$id": "https://x.example/a", "type": "string" } } }),
+                "its own $id",
+            ),
+            (
+                json!({ "$schema": "http://json-schema.org/draft-04/schema#" }),
+                "draft-04",
+            ),
+        ];
+        for (schema, reason) in refused {
+            let e = Contracts::compile(&[contract(schema.clone(), None)]).unwrap_err();
+            assert!(e.contains(reason), "{schema}: {e}");
+        }
+        // 70 schemas, each inside the last through a $ref: deeper than the bound.
+        let mut defs = serde_json::Map::new();
+        for i in 0..70 {
+            defs.insert(format!("d{i}"), json!({ "$ref": format!("#/$defs/d{}", i + 1) }));
+        }
+        defs.insert("d70".into(), json!({ "type": "string" }));
+        let deep = json!({ "$defs": defs, "$ref": "#/$defs/d0" });
+        let e = Contracts::compile(&[contract(deep, None)]).unwrap_err();
+        assert!(e.contains("nests more than 64"), "{e}");
+        // What is allowed: references to `$defs` by pointer (escaped too) and by anchor.
+        let fine = json!({
+            "$defs": { "a b": { "type": "integer" }, "c": { "$anchor": "qty", "minimum": 1 } },
+            "properties": { "n": { "$ref": "#/$defs/a%20b" }, "q": { "$ref": "#qty" } }
+        });
+        let contracts = Contracts::compile(&[contract(fine, None)]).unwrap();
+        assert_eq!(check(&contracts, "OrderCreated", r#"{"n": 1, "q": 2}"#), Ok(()));
+        assert!(check(&contracts, "OrderCreated", r#"{"n": "x", "q": 2}"#)
+            .unwrap_err()
+            .contains("/n"));
+        assert!(check(&contracts, "OrderCreated", r#"{"n": 1, "q": 0}"#)
+            .unwrap_err()
+            .contains("/q"));
+    }
+
+    #[test]
+    fn a_check_that_could_cost_too_much_is_refused_before_it_runs() {
+        // Each item of the array is compared with 1,000 objects of 15 nodes.
+        let choices: Vec<Value> = (0..1_000)
+            .map(|i| json!({ "a": [i, i, i, i, i, i], "b": [i, i, i, i, i, i] }))
+            .collect();
+        let schema = json!({ "type": "array", "items": { "anyOf": choices.iter().map(|c| json!({ "const": c })).collect::<Vec<_>>() } });
+        let contracts = Contracts::compile(&[contract(schema, None)]).unwrap();
+        let few = serde_json::to_string(&vec![json!({ "a": 1 }); 100]).unwrap();
+        assert!(timed("100 items", || check(&contracts, "OrderCreated", &few))
+            .unwrap_err()
+            .contains("/0"));
+        let many = serde_json::to_string(&vec![json!({ "a": 1 }); 100_000]).unwrap();
+        let e = timed("100,000 items", || check(&contracts, "OrderCreated", &many)).unwrap_err();
+        assert!(
+            e.starts_with("is too costly to check against its declared schema"),
+            "{e}"
+        );
+
+        // A big payload against an ordinary schema is checked.
+        let items = vec![json!({ "quantity": 2 }); 50_000];
+        let order = json!({ "orderId": "7f1c1f8e-6c1e-4b8e-9d4a-3f0e2b8f0a11", "items": items }).to_string();
+        assert!(order.len() > 700_000);
+        let contracts = Contracts::compile(&[contract(order_schema(), None)]).unwrap();
+        assert_eq!(
+            timed("a 700 KB order", || check(&contracts, "OrderCreated", &order)),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_emits_of_one_call_share_one_budget() {
+        let contracts = Contracts::compile(&[contract(order_schema(), None)]).unwrap();
+        let items = vec![json!({ "quantity": 2 }); 50_000];
+        let order = json!({ "orderId": "7f1c1f8e-6c1e-4b8e-9d4a-3f0e2b8f0a11", "items": items }).to_string();
+        let mut budget = MAX_CHECK_COST;
+        let mut checked = 0;
+        while contracts
+            .check("order.events", "OrderCreated", &order, &mut budget)
+            .is_ok()
+        {
+            checked += 1;
+        }
+        assert!((1..100).contains(&checked), "{checked} checks");
+        let e = contracts
+            .check("order.events", "OrderCreated", &order, &mut budget)
+            .unwrap_err();
+        assert!(e.contains("are left"), "{e}");
+    }
+
+    #[test]
+    fn samples_follow_the_schema() {
+        let sample = sample(&order_schema()).unwrap();
+        assert_eq!(sample["orderId"], "00000000-0000-4000-8000-000000000000");
+        assert_eq!(sample["items"], json!([]));
+        assert!(super::sample(&json!({"type": "string", "pattern": "^x{3}$"})).is_none());
+    }
+}
