@@ -677,11 +677,11 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
         .execute(&mut s)
         .await
         .unwrap();
-    sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
+    let more = sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
         .bind(space)
         .execute(&mut s)
-        .await
-        .unwrap();
+        .await;
+    ended_already_or_ok(more);
     let a = host
         .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
         .await;
@@ -695,6 +695,17 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     // The relay looks at its lock space once a second.
     assert_session_ends(&mut s).await;
     host.shutdown().await;
+}
+
+/// The intruder's next statement: it may find its session ended already, by a host step that
+/// ran between its first lock and this one (seen in 1 of 6 runs).
+fn ended_already_or_ok(result: sqlx::Result<sqlx::postgres::PgQueryResult>) {
+    match result {
+        Ok(_) => {}
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("57P01") => {}
+        Err(sqlx::Error::Io(_)) => {}
+        Err(e) => panic!("the intruder's second statement failed otherwise: {e}"),
+    }
 }
 
 /// Asserts that `s` is ended (by the host) within 10 s.
@@ -738,11 +749,11 @@ async fn a_plugin_session_that_takes_the_consumers_lease_locks_is_ended() {
         .execute(&mut s)
         .await
         .unwrap();
-    sqlx::query("SELECT pg_try_advisory_lock(($1 - 1)::int4, g) FROM generate_series(1, 1000) g")
+    let more = sqlx::query("SELECT pg_try_advisory_lock(($1 - 1)::int4, g) FROM generate_series(1, 1000) g")
         .bind(class)
         .execute(&mut s)
-        .await
-        .unwrap();
+        .await;
+    ended_already_or_ok(more);
     assert_session_ends(&mut s).await;
     let id = send_event(
         &producer(&host.host.brokers.bootstrap),
