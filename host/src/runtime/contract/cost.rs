@@ -11,9 +11,10 @@
 //!   to itself, or uses what this analysis cannot follow (non-local or dynamic references,
 //!   embedded resources). What is left is a finite tree, and its weight at each depth of the
 //!   payload is known.
-//! - **At each check**, [`Cost::of`] multiplies that weight by the payload's nodes at each
-//!   depth: an upper bound on the subschema applications the check can make. A payload
-//!   over [`MAX_CHECK_COST`] is refused before the validator sees it.
+//! - **At each check**, [`Cost::of`] multiplies that weight by the payload's values at each
+//!   depth, and the per-byte cost of `pattern` and `format` by the bytes of the strings
+//!   there: an upper bound on the work of the check. A payload over [`MAX_CHECK_COST`] is
+//!   refused before the validator sees it.
 
 use serde_json::Value;
 
@@ -22,49 +23,71 @@ use serde_json::Value;
 pub const MAX_SUBSCHEMAS: u64 = 20_000;
 /// Schemas nested in one another on one path, references followed.
 pub const MAX_NESTING: usize = 64;
-/// The most subschema applications one check may make: about a tenth of a second.
+/// The most one check may cost, in units of about one subschema applied to one value (2 to
+/// 200 ns on this machine; see `runtime::contract::tests`): at worst a few tenths of a second.
 pub const MAX_CHECK_COST: u64 = 4_000_000;
+/// What matching one `pattern` costs per byte of string, in those units: a pattern within
+/// the regex program bound (`MAX_PATTERN_PROGRAM_BYTES`) that defeats the lazy DFA takes
+/// up to 0.8 µs a byte.
+const PATTERN_BYTE_COST: u64 = 24;
+/// What checking one `format` (or decoding a `contentEncoding`) costs per byte.
+const FORMAT_BYTE_COST: u64 = 1;
 /// The deepest payload `serde_json` parses; deeper schema levels never apply.
 const MAX_PAYLOAD_DEPTH: usize = 128;
 
 /// The weight of a schema's subschemas at each depth of the payload they apply to.
 #[derive(Debug, Default)]
 pub struct Cost {
-    by_depth: Vec<u64>,
+    by_depth: Vec<Level>,
+}
+
+/// What the subschemas that apply at one depth cost: per value, and per byte of a string
+/// (or of a property name, one level down).
+#[derive(Debug, Default, Clone, Copy)]
+struct Level {
+    per_value: u64,
+    per_byte: u64,
+}
+
+impl Level {
+    fn of_string(&self, s: &str) -> u64 {
+        let bytes = s.len() as u64;
+        self.per_value
+            .saturating_mul(1 + bytes / 64)
+            .saturating_add(self.per_byte.saturating_mul(bytes))
+    }
 }
 
 impl Cost {
-    /// An upper bound on the work of checking `payload`, in subschema applications.
+    /// An upper bound on the work of checking `payload`, in units of about one subschema
+    /// applied to one value.
     pub fn of(&self, payload: &Value) -> u64 {
         let mut total = 0u64;
         let mut pending = vec![(payload, 0usize)];
         while let Some((value, depth)) = pending.pop() {
-            let Some(&weight) = self.by_depth.get(depth) else {
+            let Some(level) = self.by_depth.get(depth) else {
                 continue; // no subschema reaches this deep
             };
-            total = total.saturating_add(weight.saturating_mul(node_units(value)));
-            match value {
-                Value::Array(items) => pending.extend(items.iter().map(|v| (v, depth + 1))),
+            let cost = match value {
+                Value::String(s) => level.of_string(s),
+                Value::Array(items) => {
+                    pending.extend(items.iter().map(|v| (v, depth + 1)));
+                    level.per_value
+                }
                 Value::Object(fields) => {
-                    // Names are checked too (`propertyNames`, `patternProperties`).
-                    if let Some(&below) = self.by_depth.get(depth + 1) {
-                        let names: u64 = fields.keys().map(|k| 1 + k.len() as u64 / 64).sum();
-                        total = total.saturating_add(below.saturating_mul(names));
+                    // Names are checked one level down (`propertyNames`, `patternProperties`).
+                    if let Some(below) = self.by_depth.get(depth + 1) {
+                        let names = fields.keys().map(|k| below.of_string(k));
+                        total = total.saturating_add(names.fold(0, u64::saturating_add));
                     }
                     pending.extend(fields.values().map(|v| (v, depth + 1)));
+                    level.per_value
                 }
-                _ => {}
-            }
+                _ => level.per_value,
+            };
+            total = total.saturating_add(cost);
         }
         total
-    }
-}
-
-/// One node's share: a long string costs more to match (`pattern`, `format`).
-fn node_units(value: &Value) -> u64 {
-    match value {
-        Value::String(s) => 1 + s.len() as u64 / 64,
-        _ => 1,
     }
 }
 
@@ -85,6 +108,7 @@ pub fn analyse(schema: &Value) -> Result<Cost, String> {
         cost: Cost::default(),
         total: 0,
         path: Vec::new(),
+        beyond: Level::default(),
     };
     walk.schema(schema, 0)?;
     Ok(walk.cost)
@@ -97,6 +121,8 @@ struct Walk<'a> {
     total: u64,
     /// The schemas on the way from the root to the current one, to find a cycle.
     path: Vec<*const Value>,
+    /// Where levels deeper than any payload add up, unused.
+    beyond: Level,
 }
 
 impl<'a> Walk<'a> {
@@ -117,11 +143,11 @@ impl<'a> Walk<'a> {
                 "it expands to more than {MAX_SUBSCHEMAS} subschemas, references followed"
             ));
         }
-        if depth < MAX_PAYLOAD_DEPTH {
-            if self.cost.by_depth.len() <= depth {
-                self.cost.by_depth.resize(depth + 1, 0);
-            }
-            self.cost.by_depth[depth] += weight;
+        self.level(depth).per_value += weight;
+        self.level(depth).per_byte += scans(schema);
+        if let Some(Value::Object(patterns)) = schema.get("patternProperties") {
+            // Matched against each property name, one level down.
+            self.level(depth + 1).per_byte += PATTERN_BYTE_COST * patterns.len() as u64;
         }
         let Value::Object(keywords) = schema else {
             return Ok(()); // `true` or `false`
@@ -130,6 +156,17 @@ impl<'a> Walk<'a> {
         let walked = self.keywords(keywords, depth);
         self.path.pop();
         walked
+    }
+
+    /// The level at `depth`; one that no payload reaches when deeper than a payload can be.
+    fn level(&mut self, depth: usize) -> &mut Level {
+        if depth >= MAX_PAYLOAD_DEPTH {
+            return &mut self.beyond;
+        }
+        if self.cost.by_depth.len() <= depth {
+            self.cost.by_depth.resize(depth + 1, Level::default());
+        }
+        &mut self.cost.by_depth[depth]
     }
 
     fn keywords(&mut self, keywords: &'a serde_json::Map<String, Value>, depth: usize) -> Result<(), String> {
@@ -142,7 +179,7 @@ impl<'a> Walk<'a> {
                 "$id" if self.path.len() > 1 => {
                     return Err("a subschema has its own $id, which payload schemas may not".into());
                 }
-                "$dynamicRef" | "$recursiveRef" | "$dynamicAnchor" | "$recursiveAnchor" => {
+                "$dynamicRef" | "$recursiveRef" | "$dynamicAnchor" | "$recursiveAnchor" | "contentSchema" => {
                     return Err(format!("{keyword} is not supported in payload schemas"));
                 }
                 // Applied to the same value.
@@ -155,8 +192,7 @@ impl<'a> Walk<'a> {
                 | "propertyNames"
                 | "contains"
                 | "additionalItems"
-                | "unevaluatedItems"
-                | "contentSchema" => self.schema(value, depth + 1)?,
+                | "unevaluatedItems" => self.schema(value, depth + 1)?,
                 "items" | "prefixItems" => match value {
                     Value::Array(_) => self.each(value, depth + 1)?,
                     _ => self.schema(value, depth + 1)?,
@@ -202,8 +238,8 @@ impl<'a> Walk<'a> {
     }
 }
 
-/// What a schema weighs on its own: one, plus what comparing against its `const` and `enum`
-/// values, and matching its `pattern`, can cost.
+/// What a schema weighs on its own, per value: one, plus what comparing against its `const`
+/// and `enum` values can cost.
 fn weight(schema: &Value) -> u64 {
     let Value::Object(keywords) = schema else {
         return 1;
@@ -215,13 +251,27 @@ fn weight(schema: &Value) -> u64 {
     if let Some(Value::Array(values)) = keywords.get("enum") {
         weight += values.iter().map(nodes).sum::<u64>();
     }
-    if let Some(Value::String(pattern)) = keywords.get("pattern") {
-        weight += pattern.len() as u64 / 16;
-    }
     if let Some(Value::Object(patterns)) = keywords.get("patternProperties") {
-        weight += patterns.keys().map(|p| 1 + p.len() as u64 / 16).sum::<u64>();
+        weight += patterns.len() as u64;
     }
     weight
+}
+
+/// What a schema costs per byte of a string it checks: its `pattern`, `format` and
+/// `contentEncoding`.
+fn scans(schema: &Value) -> u64 {
+    let has = |keyword| schema.get(keyword).is_some();
+    let mut per_byte = 0;
+    if has("pattern") {
+        per_byte += PATTERN_BYTE_COST;
+    }
+    if has("format") {
+        per_byte += FORMAT_BYTE_COST;
+    }
+    if has("contentEncoding") || has("contentMediaType") {
+        per_byte += FORMAT_BYTE_COST;
+    }
+    per_byte
 }
 
 fn nodes(value: &Value) -> u64 {
