@@ -103,6 +103,37 @@ async fn a_payload_too_costly_to_check_is_refused_before_the_check_runs() {
     host.shutdown().await;
 }
 
+/// A consumed event is weighed the same way: one too costly to check is parked before the
+/// handler, and one that is dear but within the bound (3 million units, a long check that
+/// runs off the runtime's worker) is checked and handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumed_event_too_costly_to_check_is_parked_and_a_dear_one_is_handled() {
+    let host = spawn_host(&["testbed"]).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic("testbed.events");
+    let dear = send_event(&p, &topic, "k1", "Weighed", &json!(vec![999; 1_500])).await;
+    let too_dear = send_event(&p, &topic, "k2", "Weighed", &json!(vec![999; 3_000])).await;
+    eventually(Duration::from_secs(20), "one handled and one parked", || async {
+        effects(&host, dear).await == 1
+            && host
+                .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+                .await
+                == 1
+    })
+    .await;
+    let (event_id, error): (uuid::Uuid, String) = sqlx::query_as("SELECT event_id, error FROM obx.dead_letter")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(event_id, too_dear);
+    assert!(
+        error.contains("is too costly to check against its declared schema"),
+        "{error}"
+    );
+    assert_eq!(effects(&host, too_dear).await, 0);
+    host.shutdown().await;
+}
+
 async fn effects(host: &TestHost, event_id: uuid::Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM testbed.effects WHERE event_id = $1")
         .bind(event_id)

@@ -35,12 +35,24 @@ impl Tansu {
         } else {
             "memory://tansu/"
         };
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        command
             .current_dir(self.dir.path())
             .args(["broker", "--storage-engine", storage])
-            .args(["--listener-url", &url, "--advertised-listener-url", &url])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .args(["--listener-url", &url, "--advertised-listener-url", &url]);
+        // OBX_CHAOS_TANSU_LOG: tansu's RUST_LOG (e.g. "info"); its output is then kept.
+        match std::env::var("OBX_CHAOS_TANSU_LOG") {
+            Ok(filter) => {
+                let path = std::env::temp_dir().join(format!("obx-chaos-tansu-{}.log", self.port));
+                let log = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+                println!("tansu's log: {}", path.display());
+                command.env("RUST_LOG", filter).stdout(log.try_clone()?).stderr(log);
+            }
+            Err(_) => {
+                command.stdout(Stdio::null()).stderr(Stdio::null());
+            }
+        }
+        let child = command
             .spawn()
             .with_context(|| format!("starting {}", self.binary.display()))?;
         self.child = Some(child);

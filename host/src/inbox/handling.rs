@@ -108,12 +108,8 @@ pub(crate) async fn run(
 ) -> sqlx::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
     for (at, job) in jobs.iter().enumerate() {
-        if let Err(e) = plugin.identity.contracts.check(
-            &job.event.topic,
-            &job.event.event_type,
-            &job.event.payload,
-            &mut crate::runtime::contract::MAX_CHECK_COST.clone(),
-        ) {
+        let contracts = &plugin.identity.contracts;
+        if let Err(e) = contracts.check_consumed(&job.event.topic, &job.event.event_type, &job.event.payload) {
             // Not for the handler: the plugin said it cannot take such a payload.
             let failure = Failure {
                 error: format!("the payload of {} {e}", job.event.event_type),

@@ -17,6 +17,7 @@ impl Guest for Testbed {
         obx_sdk::declare_payload("testbed.contract", "ItemEmitted", EMITTED_SCHEMA, None);
         obx_sdk::declare_payload("testbed.events", "Checked", CHECKED_SCHEMA, Some(r#"{"qty": 1}"#));
         obx_sdk::declare_payload("testbed.contract", "ItemWritten", &costly_schema(), None);
+        obx_sdk::declare_payload("testbed.events", "Weighed", &costly_schema(), None);
         // An example its own handler rejects: `obx plugin test` must call that out.
         obx_sdk::declare_payload(
             "testbed.inbox",
@@ -385,8 +386,9 @@ const EMITTED_SCHEMA: &str = r#"{"type": "object", "required": ["id"],
 const CHECKED_SCHEMA: &str = r#"{"type": "object", "required": ["qty"],
     "properties": {"qty": {"type": "integer", "minimum": 1}}}"#;
 
-/// ItemWritten on testbed.contract: an array whose every item is one of 1,000 numbers, which
-/// the host may have to compare with each of them. Cheap to declare, dear to check.
+/// ItemWritten on testbed.contract (emitted) and Weighed on testbed.events (consumed): an
+/// array whose every item is one of 1,000 numbers, which the host may have to compare with
+/// each of them. Cheap to declare, dear to check.
 fn costly_schema() -> String {
     let choices: Vec<Value> = (0..1000).map(|i| json!({ "const": i })).collect();
     json!({ "type": "array", "items": { "anyOf": choices } }).to_string()
