@@ -38,7 +38,7 @@ pub struct Host {
     stop_http: watch::Sender<bool>,
     stop_tasks: watch::Sender<bool>,
     stop_consumers: watch::Sender<bool>,
-    server: JoinHandle<std::io::Result<()>>,
+    server: JoinHandle<()>,
     /// Kafka consumers and inbox processors.
     consumers: Vec<JoinHandle<()>>,
     /// Background loops: relay, notifier, retention.
@@ -173,15 +173,13 @@ pub async fn start(config: Config) -> Result<Host> {
         .await
         .with_context(|| format!("binding {} (http.listen)", config.http.listen))?;
     let addr = listener.local_addr()?;
-    let (stop_http, mut stopped) = watch::channel(false);
+    let (stop_http, stopped) = watch::channel(false);
     let router = api::router(state, &config.http);
-    let server = tokio::spawn(async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    let limits = api::server::Limits {
+        max_connections: config.http.max_connections,
+        header_read_timeout: config.http.header_read_timeout,
+    };
+    let server = tokio::spawn(api::server::serve(listener, router, limits, stopped));
     ready.store(true, Ordering::SeqCst);
     tracing::info!(%addr, "serving");
     Ok(Host {
@@ -230,7 +228,7 @@ impl Host {
     pub async fn shutdown(self) -> Result<()> {
         self.ready.store(false, Ordering::SeqCst);
         let _ = self.stop_http.send(true);
-        self.server.await??;
+        self.server.await?;
         let _ = self.stop_consumers.send(true);
         for task in self.consumers {
             let _ = task.await;

@@ -155,6 +155,13 @@ pub struct HttpConfig {
     /// Requests that take longer are answered 503.
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// The most HTTP connections open at once; past that the server stops accepting until
+    /// one closes. Keeps peers from taking the descriptors the host needs.
+    pub max_connections: usize,
+    /// A connection that has not sent a request's whole head within this long is closed: a
+    /// slow sender, or a keep-alive connection idle that long.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
     /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands and
     /// events, the relay's last batch. A second signal stops at once.
     #[serde(with = "humantime_serde")]
@@ -168,6 +175,8 @@ impl Default for HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 1024 * 1024,
             request_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            header_read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
             auth: AuthConfig::default(),
         }
@@ -753,6 +762,12 @@ impl Config {
         if self.http.max_body_bytes == 0 {
             return invalid("http.max_body_bytes", "must be greater than 0");
         }
+        if self.http.max_connections == 0 {
+            return invalid("http.max_connections", "must be greater than 0");
+        }
+        if self.http.header_read_timeout < Duration::from_millis(100) {
+            return invalid("http.header_read_timeout", "must be at least 100ms");
+        }
         if l.call_deadline < Duration::from_millis(10) {
             return invalid("limits.call_deadline", "must be at least 10ms");
         }
@@ -992,6 +1007,12 @@ mod tests {
                 "zero shutdown bound",
                 "[http]\nshutdown_timeout = \"0s\"",
                 "http.shutdown_timeout",
+            ),
+            ("no connections", "[http]\nmax_connections = 0", "http.max_connections"),
+            (
+                "header timeout too short",
+                "[http]\nheader_read_timeout = \"10ms\"",
+                "http.header_read_timeout",
             ),
             (
                 "pool too small",

@@ -8,6 +8,7 @@ mod admin;
 mod auth;
 mod commands;
 mod errors;
+pub mod server;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
