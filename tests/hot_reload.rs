@@ -154,8 +154,9 @@ async fn a_replace_under_200_concurrent_commands_fails_none() {
     for i in 0..200 {
         let host = host.clone();
         calls.push(tokio::spawn(async move {
-            // Spread over ~2 s so that the replace lands in the middle.
-            tokio::time::sleep(Duration::from_millis(i * 10)).await;
+            // Spread over ~4 s so that the replace lands well inside it, even on a loaded
+            // machine (over ~2 s, one CI run saw every call answered by the old version).
+            tokio::time::sleep(Duration::from_millis(i * 20)).await;
             host.command("hotswap", "work", json!({ "ms": 30 })).await
         }));
     }

@@ -8,13 +8,16 @@
 //!
 //! - **At load**, [`analyse`] expands the schema as the validator would (following `$ref`)
 //!   and refuses one that expands past [`MAX_SUBSCHEMAS`], nests past [`MAX_NESTING`], refers
-//!   to itself, or uses what this analysis cannot follow (non-local or dynamic references,
-//!   embedded resources). What is left is a finite tree, and its weight at each depth of the
+//!   to itself, or uses what this analysis does not bound. References may only name a
+//!   definition of the root (`#/$defs/NAME`, `#/definitions/NAME`), so that the analysis and
+//!   the validator cannot resolve one differently; keywords whose work does not follow the
+//!   payload's shape (`unevaluated*`, dynamic references, `contentSchema`, `format: regex`)
+//!   are refused. What is left is a finite tree, and its weight at each depth of the
 //!   payload is known.
 //! - **At each check**, [`Cost::of`] multiplies that weight by the payload's values at each
-//!   depth, and the per-byte cost of `pattern` and `format` by the bytes of the strings
-//!   there: an upper bound on the work of the check. A payload over [`MAX_CHECK_COST`] is
-//!   refused before the validator sees it.
+//!   depth, the per-byte cost of `pattern` and `format` by the bytes of the strings there,
+//!   and `uniqueItems` by the square of an array's length: an upper bound on the work of
+//!   the check. A payload over [`MAX_CHECK_COST`] is refused before the validator sees it.
 
 use serde_json::Value;
 
@@ -32,6 +35,12 @@ pub const MAX_CHECK_COST: u64 = 4_000_000;
 const PATTERN_BYTE_COST: u64 = 24;
 /// What checking one `format` (or decoding a `contentEncoding`) costs per byte.
 const FORMAT_BYTE_COST: u64 = 1;
+/// What one `multipleOf` may cost per value: a fraction of extreme floats is worked out
+/// exactly, with big integers.
+const MULTIPLE_OF_COST: u64 = 500;
+/// Distinct `pattern`s (and `patternProperties` names) one plugin's schemas may hold: each
+/// is compiled at load, and each keeps a matching cache per thread.
+pub const MAX_PATTERNS: usize = 64;
 /// The deepest payload `serde_json` parses; deeper schema levels never apply.
 const MAX_PAYLOAD_DEPTH: usize = 128;
 
@@ -39,6 +48,8 @@ const MAX_PAYLOAD_DEPTH: usize = 128;
 #[derive(Debug, Default)]
 pub struct Cost {
     by_depth: Vec<Level>,
+    /// The distinct patterns the schema holds.
+    pub patterns: Vec<String>,
 }
 
 /// What the subschemas that apply at one depth cost: per value, and per byte of a string
@@ -47,6 +58,8 @@ pub struct Cost {
 struct Level {
     per_value: u64,
     per_byte: u64,
+    /// `uniqueItems` subschemas: each compares an array's items with one another.
+    unique: u64,
 }
 
 impl Level {
@@ -72,7 +85,10 @@ impl Cost {
                 Value::String(s) => level.of_string(s),
                 Value::Array(items) => {
                     pending.extend(items.iter().map(|v| (v, depth + 1)));
-                    level.per_value
+                    let n = items.len() as u64;
+                    level
+                        .per_value
+                        .saturating_add(level.unique.saturating_mul(n.saturating_mul(n)))
                 }
                 Value::Object(fields) => {
                     // Names are checked one level down (`propertyNames`, `patternProperties`).
@@ -100,29 +116,46 @@ pub fn analyse(schema: &Value) -> Result<Cost, String> {
             ));
         }
     }
-    let mut anchors = std::collections::HashMap::new();
-    collect_anchors(schema, &mut anchors);
+    // A nested `$id` starts a resource of its own, whose references resolve against it;
+    // wherever it is (even where no reference reaches), it could change what one names.
+    if let Value::Object(root) = schema {
+        if root.iter().any(|(k, v)| k != "$id" && holds_an_id(v)) {
+            return Err("a subschema has its own $id, which payload schemas may not".into());
+        }
+    }
     let mut walk = Walk {
         root: schema,
-        anchors,
         cost: Cost::default(),
         total: 0,
         path: Vec::new(),
         beyond: Level::default(),
+        patterns: std::collections::BTreeSet::new(),
     };
     walk.schema(schema, 0)?;
+    // Definitions no reference reaches are still compiled: they are held to the same rules.
+    for defs in ["$defs", "definitions"] {
+        for def in schema
+            .get(defs)
+            .and_then(Value::as_object)
+            .into_iter()
+            .flat_map(|d| d.values())
+        {
+            walk.schema(def, MAX_PAYLOAD_DEPTH)?;
+        }
+    }
+    walk.cost.patterns = walk.patterns.into_iter().map(str::to_string).collect();
     Ok(walk.cost)
 }
 
 struct Walk<'a> {
     root: &'a Value,
-    anchors: std::collections::HashMap<&'a str, &'a Value>,
     cost: Cost,
     total: u64,
     /// The schemas on the way from the root to the current one, to find a cycle.
     path: Vec<*const Value>,
     /// Where levels deeper than any payload add up, unused.
     beyond: Level,
+    patterns: std::collections::BTreeSet<&'a str>,
 }
 
 impl<'a> Walk<'a> {
@@ -145,9 +178,20 @@ impl<'a> Walk<'a> {
         }
         self.level(depth).per_value += weight;
         self.level(depth).per_byte += scans(schema);
+        if schema.get("uniqueItems") == Some(&Value::Bool(true)) {
+            self.level(depth).unique += 1;
+        }
+        if let Some(Value::String(pattern)) = schema.get("pattern") {
+            self.patterns.insert(pattern);
+        }
         if let Some(Value::Object(patterns)) = schema.get("patternProperties") {
-            // Matched against each property name, one level down.
-            self.level(depth + 1).per_byte += PATTERN_BYTE_COST * patterns.len() as u64;
+            // Matched against each property name one level down, and again by
+            // `additionalProperties`.
+            self.level(depth + 1).per_byte += 2 * PATTERN_BYTE_COST * patterns.len() as u64;
+            self.patterns.extend(patterns.keys().map(String::as_str));
+        }
+        if self.patterns.len() > MAX_PATTERNS {
+            return Err(format!("it holds more than {MAX_PATTERNS} distinct patterns"));
         }
         let Value::Object(keywords) = schema else {
             return Ok(()); // `true` or `false`
@@ -176,23 +220,29 @@ impl<'a> Walk<'a> {
                     let target = self.resolve(value)?;
                     self.schema(target, depth)?;
                 }
-                "$id" if self.path.len() > 1 => {
+                "$id" if self.path.last() != Some(&(self.root as *const Value)) => {
                     return Err("a subschema has its own $id, which payload schemas may not".into());
                 }
-                "$dynamicRef" | "$recursiveRef" | "$dynamicAnchor" | "$recursiveAnchor" | "contentSchema" => {
+                "$dynamicRef"
+                | "$recursiveRef"
+                | "$dynamicAnchor"
+                | "$recursiveAnchor"
+                | "contentSchema"
+                | "unevaluatedProperties"
+                | "unevaluatedItems" => {
                     return Err(format!("{keyword} is not supported in payload schemas"));
+                }
+                "format" if value == "regex" => {
+                    return Err("format \"regex\" is not supported in payload schemas".into());
                 }
                 // Applied to the same value.
                 "not" | "if" | "then" | "else" => self.schema(value, depth)?,
                 "allOf" | "anyOf" | "oneOf" => self.each(value, depth)?,
                 "dependentSchemas" | "dependencies" => self.each_named(value, depth)?,
                 // Applied to what the value holds.
-                "additionalProperties"
-                | "unevaluatedProperties"
-                | "propertyNames"
-                | "contains"
-                | "additionalItems"
-                | "unevaluatedItems" => self.schema(value, depth + 1)?,
+                "additionalProperties" | "propertyNames" | "contains" | "additionalItems" => {
+                    self.schema(value, depth + 1)?
+                }
                 "items" | "prefixItems" => match value {
                     Value::Array(_) => self.each(value, depth + 1)?,
                     _ => self.schema(value, depth + 1)?,
@@ -221,20 +271,31 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    /// The schema a `$ref` names within this document: `#`, `#/json/pointer` or `#anchor`.
+    /// The schema a `$ref` names: a definition of the root, `#/$defs/NAME` or
+    /// `#/definitions/NAME` (its name escaped as a JSON pointer and a URI fragment).
     fn resolve(&self, reference: &Value) -> Result<&'a Value, String> {
         let reference = reference.as_str().ok_or("a $ref is not a string")?;
-        let unknown = || format!("$ref {reference:?} names no schema of this document");
-        let Some(fragment) = reference.strip_prefix('#') else {
-            return Err(format!(
-                "$ref {reference:?} is not local: payload schemas may only refer within themselves (#...)"
-            ));
+        let refused = || {
+            format!(
+                "$ref {reference:?} is not supported: a payload schema may only refer to a \
+                 definition of its own root, as \"#/$defs/NAME\" or \"#/definitions/NAME\""
+            )
         };
-        let fragment = percent_decode(fragment).ok_or_else(unknown)?;
-        if fragment.is_empty() || fragment.starts_with('/') {
-            return self.root.pointer(&fragment).ok_or_else(unknown);
+        let (defs, name) = [("$defs", "#/$defs/"), ("definitions", "#/definitions/")]
+            .into_iter()
+            .find_map(|(defs, prefix)| Some((defs, reference.strip_prefix(prefix)?)))
+            .ok_or_else(refused)?;
+        if name.contains('/') {
+            return Err(refused());
         }
-        self.anchors.get(fragment.as_str()).copied().ok_or_else(unknown)
+        let name = percent_decode(name)
+            .ok_or_else(refused)?
+            .replace("~1", "/")
+            .replace("~0", "~");
+        self.root
+            .get(defs)
+            .and_then(|d| d.get(&name))
+            .ok_or_else(|| format!("$ref {reference:?} names no definition of this schema"))
     }
 }
 
@@ -245,12 +306,14 @@ fn weight(schema: &Value) -> u64 {
     let Value::Object(keywords) = schema else {
         return 1;
     };
-    let mut weight = 1;
+    // Every keyword is looked at, even one the validator does not know.
+    let mut weight = 1 + keywords.len() as u64;
     for (keyword, value) in keywords {
         weight += match (keyword.as_str(), value) {
             ("const", value) => nodes(value),
             ("enum", Value::Array(values)) => values.iter().map(nodes).sum::<u64>(),
             ("required", Value::Array(names)) => names.len() as u64,
+            ("multipleOf", _) => MULTIPLE_OF_COST,
             (
                 "properties" | "patternProperties" | "dependentRequired" | "dependentSchemas" | "dependencies",
                 Value::Object(entries),
@@ -289,17 +352,12 @@ fn nodes(value: &Value) -> u64 {
     }
 }
 
-/// Every `"$anchor": name` of the document, the first of each name.
-fn collect_anchors<'a>(value: &'a Value, anchors: &mut std::collections::HashMap<&'a str, &'a Value>) {
+/// Whether `value` holds an object with an `$id` key, at any depth.
+fn holds_an_id(value: &Value) -> bool {
     match value {
-        Value::Object(fields) => {
-            if let Some(name) = fields.get("$anchor").and_then(Value::as_str) {
-                anchors.entry(name).or_insert(value);
-            }
-            fields.values().for_each(|v| collect_anchors(v, anchors));
-        }
-        Value::Array(items) => items.iter().for_each(|v| collect_anchors(v, anchors)),
-        _ => {}
+        Value::Object(fields) => fields.contains_key("$id") || fields.values().any(holds_an_id),
+        Value::Array(items) => items.iter().any(holds_an_id),
+        _ => false,
     }
 }
 
@@ -311,6 +369,9 @@ fn percent_decode(fragment: &str) -> Option<String> {
     while i < bytes.len() {
         if bytes[i] == b'%' {
             let hex = fragment.get(i + 1..i + 3)?;
+            if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
             out.push(u8::from_str_radix(hex, 16).ok()?);
             i += 3;
         } else {
