@@ -109,7 +109,13 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
     manifest
         .validate(runtime.limits().max_statement_bytes)
         .map_err(LoadError::InvalidManifest)?;
-    let contracts = Contracts::compile(&manifest.payloads).map_err(LoadError::InvalidManifest)?;
+    // Off the async runtime: compiling a plugin's schemas and checking its examples is
+    // bounded (`runtime::contract`), but can take a while.
+    let payloads = manifest.payloads.clone();
+    let contracts = tokio::task::spawn_blocking(move || Contracts::compile(&payloads))
+        .await
+        .map_err(|e| LoadError::InvalidManifest(format!("contract: {e}")))?
+        .map_err(LoadError::InvalidManifest)?;
 
     Ok(Plugin {
         identity: Arc::new(PluginIdentity::new(&manifest, contracts)),

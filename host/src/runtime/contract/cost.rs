@@ -48,6 +48,9 @@ const MAX_PAYLOAD_DEPTH: usize = 128;
 #[derive(Debug, Default)]
 pub struct Cost {
     by_depth: Vec<Level>,
+    /// How many times describing a failure may evaluate a subschema: reporting an error
+    /// evaluates each `anyOf`/`oneOf` branch again, once per level of them above it.
+    pub describe_factor: u64,
     /// The distinct patterns the schema holds.
     pub patterns: Vec<String>,
 }
@@ -85,10 +88,15 @@ impl Cost {
                 Value::String(s) => level.of_string(s),
                 Value::Array(items) => {
                     pending.extend(items.iter().map(|v| (v, depth + 1)));
-                    let n = items.len() as u64;
-                    level
-                        .per_value
-                        .saturating_add(level.unique.saturating_mul(n.saturating_mul(n)))
+                    // Items whose hashes collide are compared with one another, each
+                    // comparison as long as the items.
+                    let unique = if level.unique > 0 {
+                        let n = items.len() as u64;
+                        level.unique.saturating_mul(n.saturating_mul(nodes(value)))
+                    } else {
+                        0
+                    };
+                    level.per_value.saturating_add(unique)
                 }
                 Value::Object(fields) => {
                     // Names are checked one level down (`propertyNames`, `patternProperties`).
@@ -118,9 +126,15 @@ pub fn analyse(schema: &Value) -> Result<Cost, String> {
     }
     // A nested `$id` starts a resource of its own, whose references resolve against it;
     // wherever it is (even where no reference reaches), it could change what one names.
+    // So does a nested `$schema` (another draft, whose identifier may be `id`).
     if let Value::Object(root) = schema {
-        if root.iter().any(|(k, v)| k != "$id" && holds_an_id(v)) {
-            return Err("a subschema has its own $id, which payload schemas may not".into());
+        for (key, value) in root {
+            if key != "$id" && holds(value, "$id") {
+                return Err("a subschema has its own $id, which payload schemas may not".into());
+            }
+            if key != "$schema" && holds(value, "$schema") {
+                return Err("a subschema has its own $schema, which payload schemas may not".into());
+            }
         }
     }
     let mut walk = Walk {
@@ -130,6 +144,7 @@ pub fn analyse(schema: &Value) -> Result<Cost, String> {
         path: Vec::new(),
         beyond: Level::default(),
         patterns: std::collections::BTreeSet::new(),
+        alternatives: 0,
     };
     walk.schema(schema, 0)?;
     // Definitions no reference reaches are still compiled: they are held to the same rules.
@@ -144,6 +159,7 @@ pub fn analyse(schema: &Value) -> Result<Cost, String> {
         }
     }
     walk.cost.patterns = walk.patterns.into_iter().map(str::to_string).collect();
+    walk.cost.describe_factor += 2;
     Ok(walk.cost)
 }
 
@@ -156,6 +172,8 @@ struct Walk<'a> {
     /// Where levels deeper than any payload add up, unused.
     beyond: Level,
     patterns: std::collections::BTreeSet<&'a str>,
+    /// `anyOf`/`oneOf` keywords above the current schema.
+    alternatives: u64,
 }
 
 impl<'a> Walk<'a> {
@@ -237,7 +255,14 @@ impl<'a> Walk<'a> {
                 }
                 // Applied to the same value.
                 "not" | "if" | "then" | "else" => self.schema(value, depth)?,
-                "allOf" | "anyOf" | "oneOf" => self.each(value, depth)?,
+                "allOf" => self.each(value, depth)?,
+                "anyOf" | "oneOf" => {
+                    self.alternatives += 1;
+                    self.cost.describe_factor = self.cost.describe_factor.max(self.alternatives);
+                    let walked = self.each(value, depth);
+                    self.alternatives -= 1;
+                    walked?
+                }
                 "dependentSchemas" | "dependencies" => self.each_named(value, depth)?,
                 // Applied to what the value holds.
                 "additionalProperties" | "propertyNames" | "contains" | "additionalItems" => {
@@ -285,13 +310,12 @@ impl<'a> Walk<'a> {
             .into_iter()
             .find_map(|(defs, prefix)| Some((defs, reference.strip_prefix(prefix)?)))
             .ok_or_else(refused)?;
-        if name.contains('/') {
+        // No percent escapes: the validator decodes them before it splits the pointer, so
+        // `x%2Fy` would name `$defs.x.y` there and `$defs["x/y"]` here.
+        if name.contains('/') || name.contains('%') {
             return Err(refused());
         }
-        let name = percent_decode(name)
-            .ok_or_else(refused)?
-            .replace("~1", "/")
-            .replace("~0", "~");
+        let name = name.replace("~1", "/").replace("~0", "~");
         self.root
             .get(defs)
             .and_then(|d| d.get(&name))
@@ -352,32 +376,11 @@ fn nodes(value: &Value) -> u64 {
     }
 }
 
-/// Whether `value` holds an object with an `$id` key, at any depth.
-fn holds_an_id(value: &Value) -> bool {
+/// Whether `value` holds an object with a `key` key, at any depth.
+fn holds(value: &Value, key: &str) -> bool {
     match value {
-        Value::Object(fields) => fields.contains_key("$id") || fields.values().any(holds_an_id),
-        Value::Array(items) => items.iter().any(holds_an_id),
+        Value::Object(fields) => fields.contains_key(key) || fields.values().any(|v| holds(v, key)),
+        Value::Array(items) => items.iter().any(|v| holds(v, key)),
         _ => false,
     }
-}
-
-/// A URI fragment's `%XX` escapes decoded; `None` when it is not valid UTF-8 after them.
-fn percent_decode(fragment: &str) -> Option<String> {
-    let bytes = fragment.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = fragment.get(i + 1..i + 3)?;
-            if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return None;
-            }
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }

@@ -47,6 +47,8 @@ impl Contracts {
     pub fn compile(payloads: &[PayloadContract]) -> Result<Contracts, String> {
         let mut by_event = HashMap::new();
         let mut patterns = std::collections::BTreeSet::new();
+        // The examples of one plugin share one check's budget.
+        let mut examples_budget = MAX_CHECK_COST;
         for p in payloads {
             let what = format!("the payload schema of {} on {:?}", p.event_type, p.topic);
             // Before the validator compiles it: compiling costs what the schema expands to.
@@ -62,7 +64,7 @@ impl Contracts {
             let contract = Contract { validator, cost };
             if let Some(example) = &p.example {
                 contract
-                    .check(example, &mut MAX_CHECK_COST.clone(), false)
+                    .check(example, &mut examples_budget, false)
                     .map_err(|e| format!("contract: the example of {} {e}", p.event_type))?;
             }
             by_event.insert((p.topic.clone(), p.event_type.clone()), contract);
@@ -120,18 +122,39 @@ impl Contract {
             ));
         }
         *budget -= cost;
-        let validate = || {
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let run = |check: &dyn Fn() -> Result<(), String>| {
+            if offload && cost > LONG_CHECK && multi_thread {
+                tokio::task::block_in_place(check)
+            } else {
+                check()
+            }
+        };
+        if run(&|| {
+            if self.validator.is_valid(value) {
+                Ok(())
+            } else {
+                Err(String::new())
+            }
+        })
+        .is_ok()
+        {
+            return Ok(());
+        }
+        // Naming the field evaluates the subschemas again, more than once under `anyOf`.
+        let describing = cost.saturating_mul(self.cost.describe_factor);
+        if describing > *budget {
+            return Err("breaks its declared schema (naming the field would cost more than the \
+                        check may)"
+                .into());
+        }
+        *budget -= describing;
+        run(&|| {
             self.validator
                 .validate(value)
                 .map_err(|e| format!("breaks its declared schema {}", describe(&e)))
-        };
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if offload && cost > LONG_CHECK && multi_thread {
-            tokio::task::block_in_place(validate)
-        } else {
-            validate()
-        }
+        })
     }
 }
 
@@ -288,6 +311,16 @@ mod tests {
                 "is not supported",
             ),
             (json!({ "$dynamicRef": "#meta" }), "$dynamicRef is not supported"),
+            // The validator decodes `%2F` before it splits the pointer: `$defs.x.y` there.
+            (
+                json!({ "$defs": { "x/y": true, "x": { "y": {} } }, "$ref": "#/$defs/x%2Fy" }),
+                "is not supported",
+            ),
+            // Another draft below the root could take its base from `id`.
+            (
+                json!({ "allOf": [{ "$schema": "http://json-schema.org/draft-04/schema#", "id": "http://e.example/p" }] }),
+                "its own $schema",
+            ),
             (
                 json!({ "$defs": { "a": { "$defs": { "b": { "$id": "json-schema:///" } } } } }),
                 "its own $id",
@@ -340,9 +373,9 @@ mod tests {
         assert!(e.contains("nests more than 64"), "{e}");
         // What is allowed: references to the root's definitions, their names escaped too.
         let fine = json!({
-            "$defs": { "a b": { "type": "integer" } },
+            "$defs": { "a_b": { "type": "integer" } },
             "definitions": { "c/d": { "minimum": 1 } },
-            "properties": { "n": { "$ref": "#/$defs/a%20b" }, "q": { "$ref": "#/definitions/c~1d" } }
+            "properties": { "n": { "$ref": "#/$defs/a_b" }, "q": { "$ref": "#/definitions/c~1d" } }
         });
         let contracts = Contracts::compile(&[contract(fine, None)]).unwrap();
         assert_eq!(check(&contracts, "OrderCreated", r#"{"n": 1, "q": 2}"#), Ok(()));
@@ -365,7 +398,7 @@ mod tests {
         let few = serde_json::to_string(&vec![json!({ "a": 1 }); 100]).unwrap();
         assert!(timed("100 items", || check(&contracts, "OrderCreated", &few))
             .unwrap_err()
-            .contains("/0"));
+            .contains("breaks its declared schema"));
         let many = serde_json::to_string(&vec![json!({ "a": 1 }); 100_000]).unwrap();
         let e = timed("100,000 items", || check(&contracts, "OrderCreated", &many)).unwrap_err();
         assert!(
@@ -433,6 +466,13 @@ mod tests {
         assert!(e.contains("too costly"), "{e}");
         let few = serde_json::to_string(&(0..1_000).collect::<Vec<_>>()).unwrap();
         assert_eq!(check(&contracts, "OrderCreated", &few), Ok(()));
+        // Long items whose hashes collide: each comparison walks them.
+        let long: Vec<Value> = (0..1_800).map(|i| json!([vec![0; 240], i % 2 == 0])).collect();
+        let e = timed("1,800 long unique items", || {
+            check(&contracts, "OrderCreated", &serde_json::to_string(&long).unwrap())
+        })
+        .unwrap_err();
+        assert!(e.contains("too costly"), "{e}");
 
         let tiny = json!({ "items": { "multipleOf": 1.1e-300 } });
         let contracts = Contracts::compile(&[contract(tiny, None)]).unwrap();
@@ -456,6 +496,27 @@ mod tests {
         let patterns: Vec<Value> = (0..65).map(|i| json!({ "pattern": format!("^a{{{i}}}$") })).collect();
         let e = Contracts::compile(&[contract(json!({ "anyOf": patterns }), None)]).unwrap_err();
         assert!(e.contains("more than 64 distinct patterns"), "{e}");
+    }
+
+    /// Reporting which field broke the schema evaluates each `anyOf` branch again, once per
+    /// level of `anyOf` above it: 58 levels over a slow pattern would take 59 times the check.
+    #[test]
+    fn naming_the_field_is_within_the_bound_too() {
+        let mut schema = json!({ "pattern": r"(\W|\B){20}x" });
+        for _ in 0..58 {
+            schema = json!({ "anyOf": [schema, false] });
+        }
+        let contracts = Contracts::compile(&[contract(schema, None)]).unwrap();
+        let payload = serde_json::to_string(&"a".repeat(140_000)).unwrap();
+        let e = timed("58 levels of anyOf over a slow pattern", || {
+            check(&contracts, "OrderCreated", &payload)
+        })
+        .unwrap_err();
+        assert!(e.contains("naming the field would cost more"), "{e}");
+        // With one level, the field is named.
+        let one = json!({ "anyOf": [{ "type": "integer" }, false] });
+        let contracts = Contracts::compile(&[contract(one, None)]).unwrap();
+        assert!(check(&contracts, "OrderCreated", "\"x\"").unwrap_err().contains("at /"));
     }
 
     #[test]
