@@ -40,7 +40,8 @@ impl Tansu {
             .current_dir(self.dir.path())
             .args(["broker", "--storage-engine", storage])
             .args(["--listener-url", &url, "--advertised-listener-url", &url]);
-        // OBX_CHAOS_TANSU_LOG: tansu's RUST_LOG (e.g. "info"); its output is then kept.
+        // OBX_CHAOS_TANSU_LOG: tansu's RUST_LOG (e.g. "warn"; "info" slows tansu down several
+        // times over); its output is then kept.
         match std::env::var("OBX_CHAOS_TANSU_LOG") {
             Ok(filter) => {
                 let path = std::env::temp_dir().join(format!("obx-chaos-tansu-{}.log", self.port));

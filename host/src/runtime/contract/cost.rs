@@ -238,9 +238,6 @@ impl<'a> Walk<'a> {
                     let target = self.resolve(value)?;
                     self.schema(target, depth)?;
                 }
-                "$id" if self.path.last() != Some(&(self.root as *const Value)) => {
-                    return Err("a subschema has its own $id, which payload schemas may not".into());
-                }
                 "$dynamicRef"
                 | "$recursiveRef"
                 | "$dynamicAnchor"

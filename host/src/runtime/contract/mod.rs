@@ -122,24 +122,8 @@ impl Contract {
             ));
         }
         *budget -= cost;
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let run = |check: &dyn Fn() -> Result<(), String>| {
-            if offload && cost > LONG_CHECK && multi_thread {
-                tokio::task::block_in_place(check)
-            } else {
-                check()
-            }
-        };
-        if run(&|| {
-            if self.validator.is_valid(value) {
-                Ok(())
-            } else {
-                Err(String::new())
-            }
-        })
-        .is_ok()
-        {
+        let long = offload && cost > LONG_CHECK;
+        if off_worker(long, || self.validator.is_valid(value)) {
             return Ok(());
         }
         // Naming the field evaluates the subschemas again, more than once under `anyOf`.
@@ -150,11 +134,25 @@ impl Contract {
                 .into());
         }
         *budget -= describing;
-        run(&|| {
+        off_worker(long, || {
             self.validator
                 .validate(value)
                 .map_err(|e| format!("breaks its declared schema {}", describe(&e)))
         })
+    }
+}
+
+/// Runs `work`, off the async runtime's worker (`block_in_place`) when it is `long` and the
+/// runtime can spare the worker (a multi-threaded one).
+fn off_worker<T>(long: bool, work: impl FnOnce() -> T) -> T {
+    let multi_thread = || {
+        tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    };
+    if long && multi_thread() {
+        tokio::task::block_in_place(work)
+    } else {
+        work()
     }
 }
 
