@@ -144,6 +144,13 @@ pub async fn start(config: Config) -> Result<Host> {
             inbox: inbox.clone(),
         };
         consumers.push(tokio::spawn(supervisor.run(consumers_stopped.clone())));
+        let timers = crate::timers::TimerService {
+            dispatcher: dispatcher.clone(),
+            registry: registry.clone(),
+            config: config.consumer.clone(),
+            shutdown: consumers_stopped.clone(),
+        };
+        consumers.push(tokio::spawn(timers.run()));
         for _ in 0..config.consumer.inbox_processors {
             let processor = Processor {
                 turn: Default::default(),

@@ -22,7 +22,7 @@ use crate::db::sessions::{PluginTx, SessionError, Sessions};
 use crate::idempotency::{self, Claim};
 use crate::otel::{self, Kind};
 use crate::outbox;
-use crate::runtime::bindings::{guest, types::HandlerError};
+use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
 use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
 use crate::signal::Signal;
@@ -527,39 +527,50 @@ impl Dispatcher {
     ) -> Result<(PluginTx, Emitted), EventFailure> {
         let started = Instant::now();
         let call = call_span(plugin, "handle-event", trace);
-        let CallOutput { result, tx, events } = self.runtime.handle_event(plugin, tx, event).await;
-        end_call_span(call, &result, events.len());
-        let outcome = match (result, tx) {
-            (Ok(()), Some(tx)) => Ok((
-                tx,
-                Emitted {
-                    events,
-                    version: plugin.manifest.version.clone(),
-                    trace: *trace,
-                },
-            )),
-            (Ok(()), None) => Err(EventFailure {
-                error: "the call lost its transaction".into(),
-                retriable: true,
-                tx: None,
-            }),
-            (Err(e), tx) => {
-                let retriable = !matches!(
-                    e,
-                    CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
-                );
-                Err(EventFailure {
-                    error: describe_call_error(&e),
-                    retriable,
-                    tx,
-                })
-            }
-        };
+        let output = self.runtime.handle_event(plugin, tx, event).await;
+        end_call_span(call, &output.result, output.events.len());
+        let outcome = handled(plugin, output, trace);
         tracing::trace!(took = ?started.elapsed(), "event handler");
         let label = if outcome.is_ok() { "ok" } else { "failed" };
         metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
             .increment(1);
         metrics::histogram!("obx_event_handler_duration_seconds", "plugin" => plugin.manifest.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    /// Runs `handle-timer` in `tx`, as [`Dispatcher::call_event`] runs `handle-event`.
+    pub async fn call_timer(
+        &self,
+        plugin: &Plugin,
+        tx: PluginTx,
+        timer: timer_guest::Timer,
+    ) -> Result<(PluginTx, Emitted), EventFailure> {
+        let mut otel = otel::Span::start(format!("timer {}", timer.name), Kind::Internal, None);
+        if otel.recording() {
+            otel.set("obx.plugin", plugin.manifest.name.clone());
+            otel.set("obx.timer.name", timer.name.clone());
+            otel.set("obx.attempt", i64::from(timer.attempt));
+        }
+        let trace = *otel.context();
+        let span = tracing::info_span!(
+            "timer",
+            plugin = %plugin.manifest.name,
+            timer = %timer.name,
+            key = %timer.key,
+            attempt = timer.attempt,
+            trace_id = %trace.trace_id(),
+        );
+        let started = Instant::now();
+        let output = self.runtime.handle_timer(plugin, tx, timer).instrument(span).await;
+        let outcome = handled(plugin, output, &trace);
+        if let Err(failure) = &outcome {
+            otel.fail(failure.error.clone());
+        }
+        let label = if outcome.is_ok() { "ok" } else { "failed" };
+        metrics::counter!("obx_timers_fired_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
+            .increment(1);
+        metrics::histogram!("obx_timer_handler_duration_seconds", "plugin" => plugin.manifest.name.clone())
             .record(started.elapsed().as_secs_f64());
         outcome
     }
@@ -571,6 +582,38 @@ impl Dispatcher {
             self.signal.notify();
         }
         Ok(())
+    }
+}
+
+/// What a `handle-event` or `handle-timer` call came to: its transaction and what it emitted,
+/// or why it failed.
+fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Result<(PluginTx, Emitted), EventFailure> {
+    let CallOutput { result, tx, events } = output;
+    match (result, tx) {
+        (Ok(()), Some(tx)) => Ok((
+            tx,
+            Emitted {
+                events,
+                version: plugin.manifest.version.clone(),
+                trace: *trace,
+            },
+        )),
+        (Ok(()), None) => Err(EventFailure {
+            error: "the call lost its transaction".into(),
+            retriable: true,
+            tx: None,
+        }),
+        (Err(e), tx) => {
+            let retriable = !matches!(
+                e,
+                CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
+            );
+            Err(EventFailure {
+                error: describe_call_error(&e),
+                retriable,
+                tx,
+            })
+        }
     }
 }
 

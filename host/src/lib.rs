@@ -23,4 +23,5 @@ pub mod scaffold;
 pub mod signal;
 pub mod sql_policy;
 pub mod telemetry;
+pub mod timers;
 pub mod trace;

@@ -99,6 +99,11 @@ async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
         metrics::gauge!("obx_dead_letters_parked", "plugin" => plugin.clone()).set(dead as f64);
         metrics::gauge!("obx_quarantined_messages", "plugin" => plugin).set(quarantined as f64);
     }
+    for t in crate::timers::counts(pool).await? {
+        metrics::gauge!("obx_timers_pending", "plugin" => t.plugin.clone()).set(t.pending as f64);
+        metrics::gauge!("obx_timers_parked", "plugin" => t.plugin.clone()).set(t.parked as f64);
+        metrics::gauge!("obx_timers_overdue_seconds", "plugin" => t.plugin).set(t.overdue_seconds);
+    }
     Ok(())
 }
 

@@ -39,6 +39,21 @@ fn a_second_check_of_a_python_plugin_uses_the_compile_cache() {
     assert!(second.contains("compiled      from the compile cache"), "{second}");
 }
 
+/// `plugin check` names the contract version and world a component targets: the host runs
+/// components of obx:plugin@0.2.0 and 0.2.1 side by side.
+#[test]
+fn plugin_check_names_the_contract_a_plugin_targets() {
+    let (ok, stdout, stderr) = check(&plugin("legacy"));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("contract      obx:plugin@0.2.0 (plugin)"), "{stdout}");
+    let (ok, stdout, stderr) = check(&plugin("testbed"));
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("contract      obx:plugin@0.2.1 (timed-plugin)"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn plugin_check_prints_the_manifest_of_a_good_plugin() {
     let (ok, stdout, stderr) = check(&plugin("orders"));
@@ -89,7 +104,7 @@ fn plugin_check_refuses_what_is_not_a_plugin() {
         (random, "not a WebAssembly file"),
         (core, "core WebAssembly module, not a component"),
         (truncated, "failed to compile"),
-        (plugin("other_world"), "does not fit the obx:plugin/plugin@0.2.0 world"),
+        (plugin("other_world"), "does not fit the obx:plugin/plugin@0.2 world"),
     ] {
         let (ok, _, stderr) = check(&file);
         assert!(!ok, "{} was accepted", file.display());

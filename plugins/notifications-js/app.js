@@ -4,10 +4,10 @@
 // (notification.events, key = the order id), in the event's transaction.
 // Command ListNotifications {"orderId"} -> the notifications sent for the order.
 
-import { query, execute } from 'obx:plugin/sql@0.2.0';
-import { emit } from 'obx:plugin/outbox@0.2.0';
-import { log } from 'obx:plugin/log@0.2.0';
-import { declarePayload } from 'obx:plugin/contract@0.2.0';
+import { query, execute } from 'obx:plugin/sql@0.2.1';
+import { emit } from 'obx:plugin/outbox@0.2.1';
+import { log } from 'obx:plugin/log@0.2.1';
+import { declarePayload } from 'obx:plugin/contract@0.2.1';
 
 // The contract of the event it emits: emit holds its payloads to it; obx catalog shows it.
 const CUSTOMER_NOTIFIED = {

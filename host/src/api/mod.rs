@@ -94,9 +94,10 @@ async fn status(State(state): State<AppState>) -> Response {
         )
         .fetch_all(&state.pool)
         .await?;
-        Ok::<_, sqlx::Error>((outbox, per_plugin))
+        let timers = crate::timers::counts(&state.pool).await?;
+        Ok::<_, sqlx::Error>((outbox, per_plugin, timers))
     };
-    let Ok(Ok((outbox, per_plugin))) = tokio::time::timeout(Duration::from_secs(5), db).await else {
+    let Ok(Ok((outbox, per_plugin, timers))) = tokio::time::timeout(Duration::from_secs(5), db).await else {
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "database_unavailable",
@@ -121,6 +122,7 @@ async fn status(State(state): State<AppState>) -> Response {
         "plugins": state.registry.status(),
         "outbox": outbox,
         "consumption": consumption,
+        "timers": timers,
     }))
     .into_response()
 }

@@ -70,6 +70,8 @@ pub(super) async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: b
                 println!("{}: ok", file.display());
                 println!("  plugin        {} {}", m.name, m.version);
                 println!("  sha256        {}", plugin.sha256);
+                let world = if plugin.timed() { "timed-plugin" } else { "plugin" };
+                println!("  contract      obx:plugin@{} ({world})", plugin.contract_version);
                 println!(
                     "  compiled      {} ({:.1} s)",
                     if plugin.from_cache {

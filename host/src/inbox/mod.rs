@@ -23,7 +23,7 @@
 
 pub mod consumer;
 pub mod dlq;
-mod handling;
+pub(crate) mod handling;
 mod lease;
 mod leased;
 pub mod processor;

@@ -10,11 +10,13 @@
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::Component;
+use wasmtime::component::{Component, InstancePre};
 
+use super::bindings::{guest, timer_guest};
 use super::contract::Contracts;
 use super::manifest::Manifest;
-use super::{bindings, CallError, Plugin, PluginIdentity, Runtime, Trap};
+use super::state::CallState;
+use super::{CallError, Exports, Plugin, PluginIdentity, Runtime, Trap};
 
 /// Why a component was not loaded.
 #[derive(Debug, thiserror::Error)]
@@ -32,7 +34,7 @@ pub enum LoadError {
     Compile(String),
     #[error("compiling took longer than {0:?} (limits.compile_timeout)")]
     CompileTimeout(std::time::Duration),
-    #[error("the component does not fit the obx:plugin/plugin@0.2.0 world: {0}")]
+    #[error("the component does not fit the obx:plugin/plugin@0.2 world: {0}")]
     WrongWorld(String),
     #[error("reading the manifest failed: {0}")]
     Manifest(String),
@@ -80,7 +82,9 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         .linker
         .instantiate_pre(&component)
         .map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?;
-    let pre = bindings::PluginPre::new(instance_pre).map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?;
+    let exports = find_exports(instance_pre)?;
+    let timed = exports.timer_handler.is_some();
+    let contract_version = contract_version(&component, &runtime.engine);
 
     // The manifest call runs under a placeholder identity: it has no transaction, so the
     // identity serves only its log lines.
@@ -94,7 +98,10 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         payloads: vec![],
     };
     let read = runtime
-        .read_manifest(&pre, Arc::new(PluginIdentity::new(&placeholder, Default::default())))
+        .read_manifest(
+            &exports,
+            Arc::new(PluginIdentity::new(&placeholder, Default::default(), false)),
+        )
         .await
         .map_err(|e| match e {
             CallError::Trapped(Trap::Deadline) => LoadError::Manifest("describe() ran past the call deadline".into()),
@@ -118,13 +125,42 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         .map_err(LoadError::InvalidManifest)?;
 
     Ok(Plugin {
-        identity: Arc::new(PluginIdentity::new(&manifest, contracts)),
+        identity: Arc::new(PluginIdentity::new(&manifest, contracts, timed)),
         manifest,
         sha256,
         loaded_at: chrono::Utc::now(),
         from_cache,
-        pre,
+        contract_version,
+        exports,
     })
+}
+
+/// Finds `handler` (required) and `timer-handler` (a `timed-plugin`'s) among the exports.
+fn find_exports(pre: InstancePre<CallState>) -> Result<Exports, LoadError> {
+    let handler = guest::GuestIndices::new(&pre).map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?;
+    let exports_timers = pre.component().get_export_index(None, TIMER_HANDLER).is_some();
+    let timer_handler = if exports_timers {
+        Some(timer_guest::GuestIndices::new(&pre).map_err(|e| LoadError::WrongWorld(format!("{e:#}")))?)
+    } else {
+        None
+    };
+    Ok(Exports {
+        pre,
+        handler,
+        timer_handler,
+    })
+}
+
+/// The export name of `timer-handler`; any 0.2.x version matches it.
+const TIMER_HANDLER: &str = "obx:plugin/timer-handler@0.2.1";
+
+/// The `obx:plugin` version of the component's `handler` export, e.g. "0.2.0".
+fn contract_version(component: &Component, engine: &wasmtime::Engine) -> String {
+    component
+        .component_type()
+        .exports(engine)
+        .find_map(|(name, _)| name.strip_prefix("obx:plugin/handler@").map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// The 8-byte preamble: `\0asm`, then the version and layer. Core modules are version 1,

@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tokio::sync::Semaphore;
-use wasmtime::component::{HasSelf, Linker};
+use wasmtime::component::{HasSelf, Instance, InstancePre, Linker};
 use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
 
-use self::bindings::{guest, types::HandlerError};
+use self::bindings::{guest, timer_guest, types::HandlerError};
 pub use self::manifest::Manifest;
 use self::state::{CallState, MemoryLimitExceeded};
 use crate::config::Limits;
@@ -59,7 +59,24 @@ pub struct Plugin {
     /// Whether its compiled code came from the compile cache.
     pub from_cache: bool,
     pub(crate) identity: Arc<PluginIdentity>,
-    pre: bindings::PluginPre<CallState>,
+    /// The `obx:plugin` version the component was built against, e.g. "0.2.1".
+    pub contract_version: String,
+    pub(crate) exports: Exports,
+}
+
+/// A component ready to instantiate, with its exports found: `handler` always,
+/// `timer-handler` for a `timed-plugin`.
+pub(crate) struct Exports {
+    pub(crate) pre: InstancePre<CallState>,
+    pub(crate) handler: guest::GuestIndices,
+    pub(crate) timer_handler: Option<timer_guest::GuestIndices>,
+}
+
+impl Plugin {
+    /// Whether the plugin exports `timer-handler`, and so may schedule timers.
+    pub fn timed(&self) -> bool {
+        self.exports.timer_handler.is_some()
+    }
 }
 
 /// What `describe` returned, with the payload schemas it declared on the way.
@@ -75,6 +92,8 @@ pub(crate) struct PluginIdentity {
     pub name: String,
     pub version: String,
     pub schema: String,
+    /// Whether the plugin exports `timer-handler` (only then may it schedule timers).
+    pub(crate) timed: bool,
     /// The event types the manifest declares, by topic.
     emits: HashMap<String, HashSet<String>>,
     /// Statements already checked by the SQL policy, with their verdicts.
@@ -98,9 +117,10 @@ const STATEMENT_CACHE_ENTRIES: usize = 1024;
 const STATEMENT_CACHE_BYTES: usize = 4 * 1024 * 1024;
 
 impl PluginIdentity {
-    fn new(manifest: &Manifest, contracts: contract::Contracts) -> PluginIdentity {
+    fn new(manifest: &Manifest, contracts: contract::Contracts, timed: bool) -> PluginIdentity {
         PluginIdentity {
             contracts,
+            timed,
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             schema: manifest.schema().to_string(),
@@ -224,7 +244,7 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)
             .map_err(anyhow::Error::from)
             .context("linking WASI")?;
-        bindings::Plugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |s| s)
+        bindings::TimedPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |s| s)
             .map_err(anyhow::Error::from)
             .context("linking the obx imports")?;
 
@@ -259,8 +279,11 @@ impl Runtime {
     /// Runs `handle-command` in `tx`. The caller commits or rolls back.
     pub async fn handle_command(&self, plugin: &Plugin, tx: PluginTx, command: guest::Command) -> CallOutput<String> {
         let request_id = command.request_id.clone();
-        self.call(plugin, Some(tx), request_id, |p, store| {
-            Box::pin(async move { p.obx_plugin_handler().call_handle_command(store, &command).await })
+        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+            Box::pin(async move {
+                let handler = exports.handler.load(&mut *store, &instance)?;
+                handler.call_handle_command(store, &command).await
+            })
         })
         .await
     }
@@ -268,24 +291,40 @@ impl Runtime {
     /// Runs `handle-event` in `tx`. The caller commits or rolls back.
     pub async fn handle_event(&self, plugin: &Plugin, tx: PluginTx, event: guest::Event) -> CallOutput<()> {
         let request_id = event.event_id.clone();
-        self.call(plugin, Some(tx), request_id, |p, store| {
-            Box::pin(async move { p.obx_plugin_handler().call_handle_event(store, &event).await })
+        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+            Box::pin(async move {
+                let handler = exports.handler.load(&mut *store, &instance)?;
+                handler.call_handle_event(store, &event).await
+            })
+        })
+        .await
+    }
+
+    /// Runs `handle-timer` in `tx`; the plugin must be [`Plugin::timed`]. The caller commits
+    /// or rolls back.
+    pub async fn handle_timer(&self, plugin: &Plugin, tx: PluginTx, timer: timer_guest::Timer) -> CallOutput<()> {
+        let request_id = format!("timer {}/{}", timer.name, timer.key);
+        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+            Box::pin(async move {
+                let Some(indices) = &exports.timer_handler else {
+                    return Err(wasmtime::Error::msg("the plugin does not export timer-handler"));
+                };
+                let handler = indices.load(&mut *store, &instance)?;
+                handler.call_handle_timer(store, &timer).await
+            })
         })
         .await
     }
 
     /// Reads the manifest of a freshly compiled component, with no transaction.
-    async fn read_manifest(
-        &self,
-        pre: &bindings::PluginPre<CallState>,
-        identity: Arc<PluginIdentity>,
-    ) -> Result<ManifestRead, CallError> {
+    async fn read_manifest(&self, exports: &Exports, identity: Arc<PluginIdentity>) -> Result<ManifestRead, CallError> {
         let deadline = Instant::now() + self.limits.call_deadline;
         let state = CallState::new(identity, self.limits.clone(), None, deadline, "manifest".into());
         let mut store = self.store(state);
         let outcome = async {
-            let instance = pre.instantiate_async(&mut store).await?;
-            instance.obx_plugin_handler().call_describe(&mut store).await
+            let instance = exports.pre.instantiate_async(&mut store).await?;
+            let handler = exports.handler.load(&mut store, &instance)?;
+            handler.call_describe(&mut store).await
         }
         .await;
         match outcome {
@@ -320,7 +359,8 @@ impl Runtime {
     async fn call<T, F>(&self, plugin: &Plugin, tx: Option<PluginTx>, request_id: String, invoke: F) -> CallOutput<T>
     where
         F: for<'a> FnOnce(
-            &'a bindings::Plugin,
+            &'a Exports,
+            Instance,
             &'a mut Store<CallState>,
         ) -> futures::future::BoxFuture<'a, wasmtime::Result<Result<T, HandlerError>>>,
     {
@@ -340,8 +380,8 @@ impl Runtime {
         // statement timeout. This outer bound is a backstop for anything else.
         let backstop = limits.call_deadline + limits.statement_timeout + Duration::from_secs(1);
         let run = async {
-            let instance = plugin.pre.instantiate_async(&mut store).await?;
-            invoke(&instance, &mut store).await
+            let instance = plugin.exports.pre.instantiate_async(&mut store).await?;
+            invoke(&plugin.exports, instance, &mut store).await
         };
         let outcome = match tokio::time::timeout(backstop, run).await {
             Ok(outcome) => outcome,
@@ -445,7 +485,7 @@ mod tests {
             migrations: vec![],
             payloads: vec![],
         };
-        let identity = PluginIdentity::new(&manifest, Default::default());
+        let identity = PluginIdentity::new(&manifest, Default::default(), false);
         let limits = Limits::default();
         let columns = vec!["1"; 20_000].join(", ");
         for i in 0..200 {

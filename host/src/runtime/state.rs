@@ -39,6 +39,8 @@ pub struct CallState {
     pub(super) deadline: Instant,
     pub(super) request_id: String,
     pub(super) log_lines: u32,
+    /// Timers scheduled or cancelled so far.
+    pub(super) timer_calls: u32,
     /// Payload schemas declared while the manifest is read, and the first bad declaration.
     pub(super) declared: Vec<PayloadContract>,
     pub(super) declaration_error: Option<String>,
@@ -76,6 +78,7 @@ impl CallState {
             deadline,
             request_id,
             log_lines: 0,
+            timer_calls: 0,
             declared: Vec::new(),
             declaration_error: None,
         }

@@ -1,14 +1,18 @@
 //! Rust SDK for OBX plugins.
 //!
-//! It generates the bindings of the `obx:plugin/plugin` world once, re-exports them under
-//! short names, and adds conveniences for the SQL and outbox imports. A plugin implements
-//! [`Guest`] and exports it with [`export_plugin!`]:
+//! It generates the bindings of the `obx:plugin/timed-plugin` world once, re-exports them
+//! under short names, and adds conveniences for the SQL, outbox and timers imports. A plugin
+//! implements [`Guest`] and exports it with [`export_plugin!`]:
 //!
 //! ```ignore
 //! struct MyPlugin;
 //! impl obx_sdk::Guest for MyPlugin { /* manifest, handle_command, handle_event */ }
 //! obx_sdk::export_plugin!(MyPlugin);
 //! ```
+//!
+//! A plugin with durable timers also implements [`TimerGuest`] and says so:
+//! `obx_sdk::export_plugin!(MyPlugin, timers);`. Without it, its `handle-timer` fails every
+//! timer (so a timer it schedules by mistake is parked, not lost silently).
 
 // The generated code names this crate by its path, also from inside it.
 extern crate self as obx_sdk;
@@ -17,7 +21,7 @@ extern crate self as obx_sdk;
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "obx:plugin/plugin",
+        world: "obx:plugin/timed-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_plugin",
         default_bindings_module: "obx_sdk::bindings",
@@ -34,6 +38,17 @@ pub mod __rt {
 #[macro_export]
 macro_rules! export_plugin {
     ($ty:ident) => {
+        impl $crate::TimerGuest for $ty {
+            fn handle_timer(timer: $crate::Timer) -> Result<(), $crate::HandlerError> {
+                Err($crate::HandlerError::Failed(format!(
+                    "this plugin handles no timers (timer {:?})",
+                    timer.name
+                )))
+            }
+        }
+        $crate::bindings::__export_plugin!($ty with_types_in $crate::bindings);
+    };
+    ($ty:ident, timers) => {
         $crate::bindings::__export_plugin!($ty with_types_in $crate::bindings);
     };
 }
@@ -41,9 +56,11 @@ macro_rules! export_plugin {
 pub use bindings::exports::obx::plugin::handler::{
     Command, DeliveryMode, Event, EventDeclaration, Guest, Manifest, Migration, Subscription,
 };
+pub use bindings::exports::obx::plugin::timer_handler::{Guest as TimerGuest, Timer};
 pub use bindings::obx::plugin::log::Level;
 pub use bindings::obx::plugin::outbox::{EmitError, Event as OutboxEvent};
 pub use bindings::obx::plugin::sql::{Column, DatabaseError, RowSet, SqlError};
+pub use bindings::obx::plugin::timers::TimerError;
 pub use bindings::obx::plugin::types::{HandlerError, Rejection, SqlValue};
 
 /// Runs a statement that returns rows, on the call's transaction.
@@ -66,6 +83,17 @@ pub fn emit(event: &OutboxEvent) -> Result<String, EmitError> {
 /// parked before the handler, and `obx catalog` and `obx plugin test` use it.
 pub fn declare_payload(topic: &str, event_type: &str, schema: &str, example: Option<&str>) {
     bindings::obx::plugin::contract::declare_payload(topic, event_type, schema, example)
+}
+
+/// Schedules (or replaces) the timer (`name`, `key`) to fire after `delay_ms`, in the call's
+/// transaction: it fires only if the call commits.
+pub fn schedule_timer(name: &str, key: &str, delay_ms: u64, payload: &str) -> Result<(), TimerError> {
+    bindings::obx::plugin::timers::schedule(name, key, delay_ms, payload)
+}
+
+/// Cancels the timer (`name`, `key`) in the call's transaction; whether one was pending.
+pub fn cancel_timer(name: &str, key: &str) -> Result<bool, TimerError> {
+    bindings::obx::plugin::timers::cancel(name, key)
 }
 
 /// Writes a line to the host's log.
@@ -100,6 +128,12 @@ pub fn invalid(message: impl Into<String>) -> HandlerError {
 impl From<SqlError> for HandlerError {
     fn from(e: SqlError) -> HandlerError {
         HandlerError::Failed(format!("sql: {e:?}"))
+    }
+}
+
+impl From<TimerError> for HandlerError {
+    fn from(e: TimerError) -> HandlerError {
+        HandlerError::Failed(format!("timer: {e:?}"))
     }
 }
 

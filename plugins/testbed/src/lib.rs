@@ -48,6 +48,8 @@ impl Guest for Testbed {
                 "residue",
                 "stain_then_residue",
                 "stain_then_trap",
+                "schedule",
+                "cancel",
             ]
             .into_iter()
             .map(String::from)
@@ -82,6 +84,15 @@ impl Guest for Testbed {
                                                 at timestamptz NOT NULL DEFAULT clock_timestamp())"
                         .into(),
                 },
+                Migration {
+                    id: 3,
+                    name: "timers fired".into(),
+                    // No key on purpose: a timer that took effect twice would show as two rows.
+                    sql: "CREATE TABLE timers_fired (name text NOT NULL, key text NOT NULL, payload jsonb, \
+                                                     due_at timestamptz NOT NULL, attempt integer NOT NULL, \
+                                                     at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                        .into(),
+                },
             ],
         }
     }
@@ -100,6 +111,12 @@ impl Guest for Testbed {
                 return Ok(format!("\"{}\"", "x".repeat(n.saturating_sub(2))));
             }
             "sequenced" => return sequenced(&p),
+            "schedule" => return schedule(&p),
+            "cancel" => {
+                let name = p["name"].as_str().unwrap_or("");
+                let key = p["key"].as_str().unwrap_or("");
+                return Ok(obx_sdk::cancel_timer(name, key)?.to_string());
+            }
             "stain" => return Ok(stain().to_string()),
             "residue" => return Ok(residue(p["pages"].as_u64().unwrap_or(0) as usize).to_string()),
             // Shows that `residue` sees what `stain` leaves, within one call.
@@ -217,6 +234,10 @@ fn sequenced(p: &Value) -> Result<String, HandlerError> {
         topic: "testbed.events".into(),
         partition_key: Some(key.into()),
     })?;
+    if let Some(ms) = p["timer_ms"].as_u64() {
+        let payload = json!({ "key": key, "seq": seq, "nonce": p["nonce"] }).to_string();
+        obx_sdk::schedule_timer("seq", &format!("{key}:{seq}"), ms, &payload)?;
+    }
     if p["fail"] == true {
         return Err(HandlerError::Failed("asked to fail after emitting".into()));
     }
@@ -449,4 +470,45 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
     Ok(json!({ "emitted": emitted, "error": error }).to_string())
 }
 
-obx_sdk::export_plugin!(Testbed);
+/// Schedules the timer `name`/`key` with `payload` after `delay_ms`; fails afterwards when
+/// `fail` is set (so nothing of it may commit).
+fn schedule(p: &Value) -> Result<String, HandlerError> {
+    let name = p["name"].as_str().unwrap_or("");
+    let key = p["key"].as_str().unwrap_or("");
+    let payload = p.get("payload").cloned().unwrap_or(json!({})).to_string();
+    if let Err(e) = obx_sdk::schedule_timer(name, key, p["delay_ms"].as_u64().unwrap_or(0), &payload) {
+        return Err(invalid(format!("{e:?}")));
+    }
+    if p["fail"].as_bool() == Some(true) {
+        return Err(HandlerError::Failed("the testbed failed after scheduling".into()));
+    }
+    Ok(json!({ "scheduled": name }).to_string())
+}
+
+/// Records each firing; fails when the payload says `fail`, and schedules a follow-up timer
+/// when it names `then` (`{"then": {"name", "delay_ms"}}`).
+impl obx_sdk::TimerGuest for Testbed {
+    fn handle_timer(timer: obx_sdk::Timer) -> Result<(), HandlerError> {
+        let payload: Value = serde_json::from_str(&timer.payload).unwrap_or(Value::Null);
+        execute(
+            "INSERT INTO timers_fired (name, key, payload, due_at, attempt) VALUES ($1, $2, $3, $4, $5)",
+            &[
+                SqlValue::Text(timer.name.clone()),
+                SqlValue::Text(timer.key.clone()),
+                SqlValue::Json(timer.payload.clone()),
+                SqlValue::Timestamp(timer.due_at.clone()),
+                SqlValue::Int(i64::from(timer.attempt)),
+            ],
+        )?;
+        if let Some(then) = payload.get("then") {
+            let name = then["name"].as_str().unwrap_or("then");
+            obx_sdk::schedule_timer(name, &timer.key, then["delay_ms"].as_u64().unwrap_or(0), "{}")?;
+        }
+        if payload["fail"].as_bool() == Some(true) {
+            return Err(HandlerError::Failed("the testbed's timer failed".into()));
+        }
+        Ok(())
+    }
+}
+
+obx_sdk::export_plugin!(Testbed, timers);

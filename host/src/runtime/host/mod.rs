@@ -4,5 +4,6 @@ pub(crate) mod contract;
 mod log;
 mod outbox;
 mod sql;
+mod timers;
 
 impl super::bindings::types::Host for super::state::CallState {}

@@ -1,0 +1,249 @@
+//! Durable timers (`obx:plugin/timers`, the `timed-plugin` world of obx:plugin@0.2.1). A
+//! plugin schedules a timer in the transaction of its call; the host fires `handle-timer` at
+//! or after its due time, in a transaction of its own, once, with any number of hosts. The
+//! testbed's `schedule` and `cancel` commands drive them; its timer handler records each
+//! firing in `timers_fired` (no key: a second effect would show as a second row).
+
+use std::time::Duration;
+
+use obx_tests::{eventually, spawn_host, spawn_host_on, spawn_host_with, TestHost};
+use serde_json::{json, Value};
+
+async fn schedule(host: &TestHost, body: Value) -> u16 {
+    let answer = host.command("testbed", "schedule", body).await;
+    answer.status
+}
+
+async fn fired(host: &TestHost) -> i64 {
+    host.count("SELECT count(*) FROM testbed.timers_fired").await
+}
+
+#[tokio::test]
+async fn a_timer_fires_once_after_its_due_time_and_never_before() {
+    let host = spawn_host(&["testbed"]).await;
+    let status = schedule(
+        &host,
+        json!({ "name": "deadline", "key": "order-1", "delay_ms": 1500, "payload": { "order": 1 } }),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // Scheduled 1.5 s ahead: nothing may fire within the first second.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(fired(&host).await, 0, "the timer fired before its due time");
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    // It fired at or after its due time, with its payload, on the first attempt.
+    let early = host
+        .count("SELECT count(*) FROM testbed.timers_fired WHERE at < due_at")
+        .await;
+    assert_eq!(early, 0);
+    let row: (String, String, Value, i32) =
+        sqlx::query_as("SELECT name, key, payload, attempt FROM testbed.timers_fired")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    assert_eq!(row, ("deadline".into(), "order-1".into(), json!({ "order": 1 }), 1));
+    // And once: the timer is gone, and nothing fires again.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(fired(&host).await, 1);
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_timer_scheduled_by_a_call_that_rolled_back_never_fires() {
+    let host = spawn_host(&["testbed"]).await;
+    let status = schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 0, "fail": true })).await;
+    assert_eq!(status, 500);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    assert_eq!(fired(&host).await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_cancelled_timer_never_fires() {
+    let host = spawn_host(&["testbed"]).await;
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 800 })).await,
+        200
+    );
+    let cancelled = host
+        .command("testbed", "cancel", json!({ "name": "t", "key": "k" }))
+        .await;
+    assert_eq!((cancelled.status, cancelled.body.clone()), (200, json!(true)));
+    let again = host
+        .command("testbed", "cancel", json!({ "name": "t", "key": "k" }))
+        .await;
+    assert_eq!(again.body, json!(false), "nothing was left to cancel");
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert_eq!(fired(&host).await, 0);
+    host.shutdown().await;
+}
+
+/// A handler that fails is called again after a backoff, each attempt rolled back, and the
+/// timer is parked after `consumer.max_attempts`, with its error, and fires no more.
+#[tokio::test]
+async fn a_failing_timer_is_retried_then_parked() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 3).await;
+    let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "fail": true } });
+    assert_eq!(schedule(&host, body).await, 200);
+    eventually(Duration::from_secs(10), "the timer is parked", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    let (attempts, error): (i32, String) = sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 3);
+    assert!(error.contains("the testbed's timer failed"), "{error}");
+    // The operator sees it in /v1/status.
+    let status = host.get("/v1/status").await;
+    assert_eq!(status.body["timers"][0]["plugin"], "testbed", "{}", status.text);
+    assert_eq!(status.body["timers"][0]["parked"], 1, "{}", status.text);
+    assert_eq!(status.body["timers"][0]["pending"], 0, "{}", status.text);
+    // Every attempt rolled back, its effect too.
+    assert_eq!(fired(&host).await, 0);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let attempts: i64 = host.count("SELECT attempts::bigint FROM obx.timer").await;
+    assert_eq!(attempts, 3, "a parked timer fired again");
+    host.shutdown().await;
+}
+
+/// A handler that schedules its own timer again keeps the new schedule: the firing ends the
+/// generation it fired, not the one its handler made.
+#[tokio::test]
+async fn a_timer_its_handler_schedules_again_fires_again() {
+    let host = spawn_host(&["testbed"]).await;
+    let body = json!({
+        "name": "tick", "key": "k", "delay_ms": 0,
+        "payload": { "then": { "name": "tick", "delay_ms": 200 } }
+    });
+    assert_eq!(schedule(&host, body).await, 200);
+    eventually(Duration::from_secs(10), "the timer fires twice", || async {
+        fired(&host).await == 2
+    })
+    .await;
+    // The second schedule carried `{}`: no third firing.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(fired(&host).await, 2);
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    host.shutdown().await;
+}
+
+/// Three hosts of one service fire 300 timers, all due at about the same moment: each takes
+/// effect exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_hosts_each_timer_fires_once() {
+    let first = spawn_host(&["testbed"]).await;
+    let url = first.database_url.clone();
+    let second = spawn_host_on(&url, &["testbed"], |_| {}).await;
+    let third = spawn_host_on(&url, &["testbed"], |_| {}).await;
+    let hosts = [&first, &second, &third];
+    for i in 0..300 {
+        let host = hosts[i % 3];
+        let body = json!({ "name": "t", "key": format!("k{i}"), "delay_ms": 1000 });
+        assert_eq!(schedule(host, body).await, 200);
+    }
+    eventually(Duration::from_secs(30), "300 timers fire", || async {
+        fired(&first).await >= 300
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fired(&first).await, 300);
+    let keys = first
+        .count("SELECT count(DISTINCT key) FROM testbed.timers_fired")
+        .await;
+    assert_eq!(keys, 300, "a timer took effect twice");
+    for host in [third, second, first] {
+        host.shutdown().await;
+    }
+}
+
+/// Bad input gets a clear refusal, and nothing is scheduled.
+#[tokio::test]
+async fn malformed_timers_are_refused_with_the_reason() {
+    let host = spawn_host(&["testbed"]).await;
+    let cases = [
+        (json!({ "name": "", "key": "k", "delay_ms": 0 }), "name"),
+        (json!({ "name": "x".repeat(201), "key": "k", "delay_ms": 0 }), "name"),
+        (json!({ "name": "t", "key": "", "delay_ms": 0 }), "key"),
+        (
+            json!({ "name": "t", "key": "k", "delay_ms": 400_000_000_000u64 }),
+            "ten years",
+        ),
+    ];
+    for (body, reason) in cases {
+        let answer = host.command("testbed", "schedule", body.clone()).await;
+        assert_eq!(answer.status, 400, "{body}: {}", answer.text);
+        assert!(answer.text.contains(reason), "{body}: {}", answer.text);
+    }
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    host.shutdown().await;
+}
+
+/// The functions behind the import name the plugin from the session's login: a plugin that
+/// calls them with SQL of its own (had it got past the SQL policy) reaches only its own
+/// timers, never another plugin's.
+#[tokio::test]
+async fn a_plugin_cannot_reach_another_plugins_timers() {
+    use sqlx::Connection;
+    let host = spawn_host(&["testbed", "legacy"]).await;
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 60_000 })).await,
+        200
+    );
+    let mut legacy = host.plugin_session("legacy").await;
+    let cancelled: bool = sqlx::query_scalar("SELECT obx_api.timer_cancel('t', 'k')")
+        .fetch_one(&mut legacy)
+        .await
+        .unwrap();
+    assert!(!cancelled);
+    let mut tx = legacy.begin().await.unwrap();
+    let taken: Vec<(String,)> = sqlx::query_as("SELECT name FROM obx_api.timer_take(10)")
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert!(taken.is_empty());
+    tx.rollback().await.unwrap();
+    let read = sqlx::query("SELECT * FROM obx.timer").fetch_all(&mut legacy).await;
+    assert!(read.is_err(), "a plugin read the host's timer table");
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 1);
+    legacy.close().await.unwrap();
+    host.shutdown().await;
+}
+
+/// A component built against obx:plugin@0.2.0 runs next to 0.2.1 ones, unchanged: the host
+/// links both, and says which version each targets.
+#[tokio::test]
+async fn a_plugin_of_the_0_2_0_contract_runs_beside_a_timed_one() {
+    let host = spawn_host(&["testbed", "legacy"]).await;
+    let answer = host.command("legacy", "ping", json!({})).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert!(answer.body["pong"].is_string());
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE event_type = 'Pinged'")
+            .await,
+        1
+    );
+    let legacy = host.host.registry.get("legacy").unwrap();
+    let testbed = host.host.registry.get("testbed").unwrap();
+    assert_eq!(legacy.contract_version, "0.2.0");
+    assert!(!legacy.timed());
+    assert_eq!(testbed.contract_version, "0.2.1");
+    assert!(testbed.timed());
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 0 })).await,
+        200
+    );
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    host.shutdown().await;
+}
