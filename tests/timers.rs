@@ -70,6 +70,10 @@ async fn a_cancelled_timer_never_fires() {
         schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 800 })).await,
         200
     );
+    // The operator sees it, through the admin API.
+    let listed = host.get("/v1/timers?plugin=testbed").await;
+    assert_eq!(listed.body.as_array().map(Vec::len), Some(1), "{}", listed.text);
+    assert_eq!(listed.body[0]["key"], "k", "{}", listed.text);
     let cancelled = host
         .command("testbed", "cancel", json!({ "name": "t", "key": "k" }))
         .await;
@@ -109,6 +113,29 @@ async fn a_failing_timer_is_retried_then_parked() {
     assert_eq!(status.body["timers"][0]["pending"], 0, "{}", status.text);
     // Every attempt rolled back, its effect too.
     assert_eq!(fired(&host).await, 0);
+    // The admin API lists it, and sends it back to fire: it fails again, and is parked again.
+    let first_parked: String = sqlx::query_scalar("SELECT parked_at::text FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    let listed = host.get("/v1/timers?parked=true").await;
+    assert_eq!(listed.body[0]["name"], "t", "{}", listed.text);
+    assert_eq!(listed.body[0]["attempts"], 3, "{}", listed.text);
+    let retried = host
+        .post_json(
+            "/v1/timers/retry",
+            json!({ "plugin": "testbed", "name": "t", "key": "k" }),
+        )
+        .await;
+    assert_eq!(retried.status, 200, "{}", retried.text);
+    eventually(Duration::from_secs(10), "the retried timer is parked again", || async {
+        host.count(&format!(
+            "SELECT count(*) FROM obx.timer WHERE attempts = 3 AND parked_at > '{first_parked}'::timestamptz"
+        ))
+        .await
+            == 1
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let attempts: i64 = host.count("SELECT attempts::bigint FROM obx.timer").await;
     assert_eq!(attempts, 3, "a parked timer fired again");

@@ -68,6 +68,70 @@ pub async fn counts(pool: &sqlx::PgPool) -> sqlx::Result<Vec<TimerCounts>> {
     .await
 }
 
+/// A timer, for `obx timers list` and `GET /v1/timers`.
+#[derive(Debug, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
+pub struct TimerRow {
+    pub plugin: String,
+    pub name: String,
+    pub key: String,
+    pub due_at: chrono::DateTime<chrono::Utc>,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub parked_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub scheduled_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// The most timers one listing returns.
+pub const LIST_LIMIT: i64 = 1000;
+
+/// Timers, earliest due first (parked ones only, if asked), at most [`LIST_LIMIT`].
+pub async fn list(pool: &sqlx::PgPool, plugin: Option<&str>, parked: bool) -> sqlx::Result<Vec<TimerRow>> {
+    sqlx::query_as(
+        "SELECT plugin, name, key, due_at, attempts, last_error, parked_at, scheduled_at FROM obx.timer \
+         WHERE ($1::text IS NULL OR plugin = $1) AND (NOT $2 OR parked_at IS NOT NULL) \
+         ORDER BY due_at LIMIT $3",
+    )
+    .bind(plugin)
+    .bind(parked)
+    .bind(LIST_LIMIT)
+    .fetch_all(pool)
+    .await
+}
+
+/// A timer, named: (plugin, name, key).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct TimerId {
+    pub plugin: String,
+    pub name: String,
+    pub key: String,
+}
+
+/// Cancels a timer, pending or parked; whether there was one. A timer being fired right now
+/// is waited for (its row is locked): if the firing commits, there is nothing left to cancel.
+pub async fn cancel(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
+    let deleted = sqlx::query("DELETE FROM obx.timer WHERE plugin = $1 AND name = $2 AND key = $3")
+        .bind(&id.plugin)
+        .bind(&id.name)
+        .bind(&id.key)
+        .execute(pool)
+        .await?;
+    Ok(deleted.rows_affected() == 1)
+}
+
+/// Sends a parked timer back to fire now, its attempts reset; whether one was parked.
+pub async fn retry(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
+    let updated = sqlx::query(
+        "UPDATE obx.timer SET parked_at = NULL, attempts = 0, last_error = NULL, due_at = clock_timestamp() \
+         WHERE plugin = $1 AND name = $2 AND key = $3 AND parked_at IS NOT NULL",
+    )
+    .bind(&id.plugin)
+    .bind(&id.name)
+    .bind(&id.key)
+    .execute(pool)
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}
+
 /// A due timer, as `obx_api.timer_take` returns it.
 #[derive(sqlx::FromRow)]
 struct Due {
@@ -125,9 +189,13 @@ impl TimerService {
             }
         }
         let names: Vec<&str> = plugins.iter().map(|p| p.manifest.name.as_str()).collect();
+        // Each plugin's earliest pending timer, one index probe each: `min` over
+        // `plugin = ANY(...)` would read every pending timer, four times a second.
         let next: Option<f64> = sqlx::query_scalar(
-            "SELECT extract(epoch FROM min(due_at) - clock_timestamp())::float8 \
-             FROM obx.timer WHERE plugin = ANY($1) AND parked_at IS NULL",
+            "SELECT extract(epoch FROM min(t.due_at) - clock_timestamp())::float8 \
+             FROM unnest($1::text[]) AS p(name), LATERAL ( \
+                 SELECT due_at FROM obx.timer \
+                 WHERE plugin = p.name AND parked_at IS NULL ORDER BY due_at LIMIT 1) t",
         )
         .bind(&names)
         .fetch_one(&self.dispatcher.pool)

@@ -61,6 +61,7 @@ fn compare(comparison: chart::Comparison) {
 
 // After `out!`, which it uses.
 mod http;
+mod timers;
 
 #[derive(Parser)]
 struct Cli {
@@ -126,6 +127,14 @@ enum Bench {
     },
     /// Resident memory of `obx serve` with no plugin and with ten.
     Rss,
+    /// Timer firing lateness at a steady rate, and the CPU of 100,000 pending timers.
+    Timers {
+        /// Timers due per second.
+        #[arg(long, default_value_t = 1000)]
+        rate: u32,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+    },
     /// Relay drain rate, commit-to-ack latency, and the relay's cost to command throughput.
     Relay {
         /// Rows to drain.
@@ -160,6 +169,7 @@ fn main() -> Result<()> {
                 profile,
             } => http::run(duration, connections, profile).await,
             Bench::Rss => rss().await,
+            Bench::Timers { rate, duration } => timers::run(rate, duration).await,
             Bench::Consume { events } => consume(events).await,
             Bench::Reload => reload().await,
             Bench::Latency {
@@ -1342,6 +1352,7 @@ async fn report(path: &std::path::Path) -> Result<()> {
     consume(50_000).await?;
     reload().await?;
     rss().await?;
+    timers::run(1000, Duration::from_secs(10)).await?;
 
     let report = REPORT.lock().unwrap();
     std::fs::create_dir_all(&charts)?;
@@ -1432,6 +1443,7 @@ cargo xtask bench -- latency --rate 1000 --per-command 1
 cargo xtask bench -- consume --events 20000
 cargo xtask bench -- reload
 cargo xtask bench -- rss
+cargo xtask bench -- timers --rate 1000 --duration 10s
 ```
 ";
 

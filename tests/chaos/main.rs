@@ -8,13 +8,17 @@
 //! * exactly once (duplicate effects = 0; duplicates on the broker are counted, they are
 //!   allowed: publishing is at least once),
 //! * in commit order per key (order violations = 0),
-//! * and that no command that rolled back left an event anywhere (phantoms = 0).
+//! * and that no command that rolled back left an event anywhere (phantoms = 0);
+//! * and the same of timers: each committed command's timer fired once (timers lost = 0,
+//!   duplicate timer effects = 0), and none of a failed command's (timer phantoms = 0).
 //!
 //! The workload is the testbed plugin's `sequenced` command: it takes the next number of a
 //! key under the key's row lock and emits it, keyed by the key; so the committed numbers of
 //! a key are exactly 1..n, in commit order. One command in twenty asks to fail after
 //! emitting. The testbed's event handler records one `effects` row per event it applies
-//! (dedup mode), with no unique constraint, so a second application would show.
+//! (dedup mode), with no unique constraint, so a second application would show. Each command
+//! also schedules a timer 300 ms ahead, keyed by its key and number, in its transaction; the
+//! testbed's timer handler records a `timers_fired` row, with no unique constraint either.
 //!
 //! Run it with `cargo xtask chaos` (see docs/reliability.md).
 
@@ -190,6 +194,9 @@ impl World {
     }
 }
 
+/// Every command also schedules a timer this far ahead, keyed by its key and number.
+const TIMER_MS: u64 = 300;
+
 #[derive(Default)]
 struct Load {
     acked: Mutex<Vec<(String, i64)>>,
@@ -215,7 +222,10 @@ async fn client(world: Arc<World>, load: Arc<Load>, keys: usize, pause: Duration
         }
         load.sent.fetch_add(1, Ordering::Relaxed);
         match world
-            .send(port, &json!({ "key": key, "nonce": nonce, "fail": fail }))
+            .send(
+                port,
+                &json!({ "key": key, "nonce": nonce, "fail": fail, "timer_ms": TIMER_MS }),
+            )
             .await
         {
             Ok((200, body)) if !fail => {
@@ -251,7 +261,10 @@ async fn probe(world: &World, db: &PgPool, schema: &str, key: &str, since: Insta
             bail!("no command on {key} was accepted within 180 s");
         }
         if let Some(port) = world.pick_host() {
-            if let Ok((200, body)) = world.send(port, &json!({ "key": key, "nonce": "probe" })).await {
+            if let Ok((200, body)) = world
+                .send(port, &json!({ "key": key, "nonce": "probe", "timer_ms": TIMER_MS }))
+                .await
+            {
                 break body["seq"].as_i64().unwrap_or(-1);
             }
         }
@@ -543,7 +556,10 @@ async fn main() -> Result<()> {
         let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NULL")
             .fetch_one(&db)
             .await?;
-        if (lost == 0 && unpublished == 0) || drain_started.elapsed() > Duration::from_secs(180) {
+        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.timer WHERE parked_at IS NULL")
+            .fetch_one(&db)
+            .await?;
+        if (lost == 0 && unpublished == 0 && pending == 0) || drain_started.elapsed() > Duration::from_secs(180) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -568,6 +584,7 @@ async fn main() -> Result<()> {
     let on_broker = read_topic(&world.bootstrap, figures.committed as usize).await?;
     let failing_set: HashSet<&String> = failing.iter().collect();
     let phantom_messages = on_broker.nonces.iter().filter(|n| failing_set.contains(n)).count();
+    let timers = measure_timers(&db, &schema, &figures.counters, &failing).await?;
 
     for slot in &mut slots {
         if let Some(mut child) = slot.child.take() {
@@ -604,6 +621,10 @@ async fn main() -> Result<()> {
          | **duplicate effects** | **{}** |\n\
          | **per-key order violations** | **{}** |\n\
          | **phantoms** (outbox rows / broker messages of failed commands) | **{phantom_rows} / {phantom_messages}** |\n\
+         | timers fired (one per committed command, {TIMER_MS} ms after it) | {} |\n\
+         | **timers lost** (committed, never fired) / parked | **{}** / {} |\n\
+         | **duplicate timer effects** | **{}** |\n\
+         | **timer phantoms** (fired for a command that failed) | **{}** |\n\
          | load phase | {load_seconds:.0} s |\n| drain after the load | {drain_seconds:.1} s |",
         broker.name(),
         args.hosts,
@@ -617,6 +638,11 @@ async fn main() -> Result<()> {
         figures.lost,
         figures.duplicates,
         figures.order_violations,
+        timers.fired,
+        timers.lost,
+        timers.parked,
+        timers.duplicates,
+        timers.phantoms,
     ));
     line(String::new());
     line("| fault | recovery: min / median / max (s) |\n| --- | --- |".into());
@@ -643,10 +669,13 @@ async fn main() -> Result<()> {
         && figures.duplicates == 0
         && figures.order_violations == 0
         && phantom_rows == 0
-        && phantom_messages == 0;
+        && phantom_messages == 0
+        && timers.lost == 0
+        && timers.duplicates == 0
+        && timers.phantoms == 0;
     drop(broker);
     if !ok {
-        bail!("the fault suite found lost, duplicated, reordered or phantom events");
+        bail!("the fault suite found lost, duplicated, reordered or phantom events or timers");
     }
     println!("all invariants held");
     Ok(())
@@ -791,6 +820,57 @@ async fn measure(db: &PgPool, schema: &str) -> Result<Figures> {
         duplicates,
         order_violations,
         counters,
+    })
+}
+
+/// What became of the timers the workload's commands scheduled.
+struct TimerFigures {
+    fired: i64,
+    /// Committed numbers whose timer never fired.
+    lost: i64,
+    parked: i64,
+    /// Firings beyond the first of one (key, number).
+    duplicates: i64,
+    /// Firings that carry the nonce of a command that failed.
+    phantoms: i64,
+}
+
+async fn measure_timers(
+    db: &PgPool,
+    schema: &str,
+    counters: &HashMap<String, i64>,
+    failing: &[String],
+) -> Result<TimerFigures> {
+    let rows: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
+        "SELECT payload->>'key', (payload->>'seq')::bigint, payload->>'nonce' \
+         FROM {schema}.timers_fired WHERE name = 'seq'"
+    ))
+    .fetch_all(db)
+    .await?;
+    let failing: HashSet<&str> = failing.iter().map(String::as_str).collect();
+    let mut seen = HashSet::new();
+    let (mut duplicates, mut phantoms) = (0, 0);
+    for (key, seq, nonce) in &rows {
+        if nonce.as_deref().is_some_and(|n| failing.contains(n)) {
+            phantoms += 1;
+        }
+        if !seen.insert((key.as_str(), *seq)) {
+            duplicates += 1;
+        }
+    }
+    let lost = counters
+        .iter()
+        .map(|(key, n)| (1..=*n).filter(|s| !seen.contains(&(key.as_str(), *s))).count() as i64)
+        .sum();
+    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
+        .fetch_one(db)
+        .await?;
+    Ok(TimerFigures {
+        fired: rows.len() as i64,
+        lost,
+        parked,
+        duplicates,
+        phantoms,
     })
 }
 

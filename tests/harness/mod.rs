@@ -472,6 +472,19 @@ impl TestHost {
         into_answer(req.send().await.expect("request")).await
     }
 
+    /// `POST {path}` with a JSON body (the admin API).
+    pub async fn post_json(&self, path: &str, body: Value) -> Answer {
+        into_answer(
+            self.client
+                .post(format!("{}{path}", self.url))
+                .json(&body)
+                .send()
+                .await
+                .expect("request"),
+        )
+        .await
+    }
+
     pub async fn get(&self, path: &str) -> Answer {
         into_answer(
             self.client

@@ -7,7 +7,9 @@
 //! * `POST /v1/dlq/{id}/retry`, `POST /v1/dlq/{id}/discard`;
 //! * `GET /v1/quarantine?plugin=` — quarantined messages;
 //! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`;
-//! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins.
+//! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins;
+//! * `GET /v1/timers?plugin=&parked=` — durable timers, earliest due first;
+//! * `POST /v1/timers/cancel`, `POST /v1/timers/retry` with `{"plugin", "name", "key"}`.
 
 use std::time::Duration;
 
@@ -21,6 +23,7 @@ use serde_json::json;
 use super::{error_response, AppState};
 use crate::inbox::dlq::{self, DlqError};
 use crate::outbox::replay::ReplayFilter;
+use crate::timers::TimerId;
 
 #[derive(Deserialize)]
 pub struct DlqQuery {
@@ -49,6 +52,36 @@ fn resolved(id: i64, status: &str, result: Result<(), DlqError>) -> Response {
         Ok(()) => Json(json!({ "id": id, "status": status })).into_response(),
         Err(e @ DlqError::NotParked(_)) => error_response(StatusCode::NOT_FOUND, "not_parked", &e.to_string()),
         Err(DlqError::Database(e)) => database_error(e.into()),
+    }
+}
+
+#[derive(Deserialize)]
+pub struct TimersQuery {
+    plugin: Option<String>,
+    #[serde(default)]
+    parked: bool,
+}
+
+pub async fn timers_list(State(state): State<AppState>, Query(q): Query<TimersQuery>) -> Response {
+    match crate::timers::list(&state.pool, q.plugin.as_deref(), q.parked).await {
+        Ok(rows) => Json(rows).into_response(),
+        Err(e) => database_error(e.into()),
+    }
+}
+
+pub async fn timers_cancel(State(state): State<AppState>, Json(id): Json<TimerId>) -> Response {
+    match crate::timers::cancel(&state.pool, &id).await {
+        Ok(true) => Json(json!({ "cancelled": id })).into_response(),
+        Ok(false) => error_response(StatusCode::NOT_FOUND, "no_timer", "no such timer"),
+        Err(e) => database_error(e.into()),
+    }
+}
+
+pub async fn timers_retry(State(state): State<AppState>, Json(id): Json<TimerId>) -> Response {
+    match crate::timers::retry(&state.pool, &id).await {
+        Ok(true) => Json(json!({ "retried": id })).into_response(),
+        Ok(false) => error_response(StatusCode::NOT_FOUND, "not_parked", "no such parked timer"),
+        Err(e) => database_error(e.into()),
     }
 }
 

@@ -59,6 +59,9 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .route("/v1/dlq/{id}/retry", post(admin::dlq_retry))
         .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
         .route("/v1/quarantine", get(admin::quarantine))
+        .route("/v1/timers", get(admin::timers_list))
+        .route("/v1/timers/cancel", post(admin::timers_cancel))
+        .route("/v1/timers/retry", post(admin::timers_retry))
         .route("/v1/outbox/replay", post(admin::outbox_replay))
         .route("/v1/catalog", get(admin::catalog))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));

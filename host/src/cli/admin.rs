@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use sqlx::PgPool;
 
-use super::{DlqCommand, HostArgs};
+use super::{DlqCommand, HostArgs, TimersCommand};
 use crate::config::Config;
 
 /// A running host's admin API.
@@ -291,6 +291,69 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                     );
                 }
             }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(super) async fn timers(config: Option<PathBuf>, host: HostArgs, command: TimersCommand) -> Result<ExitCode> {
+    use crate::timers::{self, TimerId, TimerRow};
+    let config = Config::load(config.as_deref())?;
+    let target = Target::of(&config, &host).await?;
+    match command {
+        TimersCommand::List { plugin, parked, json } => {
+            let rows: Vec<TimerRow> = match &target {
+                Target::Database(pool) => timers::list(pool, plugin.as_deref(), parked).await?,
+                Target::Host(admin) => {
+                    let mut query = vec![("parked", parked.to_string())];
+                    query.extend(plugin.map(|p| ("plugin", p)));
+                    serde_json::from_value(admin.get("/v1/timers", &query).await?)?
+                }
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                println!("no timers");
+            } else {
+                let cells: Vec<[String; 6]> = rows
+                    .into_iter()
+                    .map(|t| {
+                        let state = if t.parked_at.is_some() { "parked" } else { "pending" };
+                        [
+                            t.plugin,
+                            t.name,
+                            t.key,
+                            t.due_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                            format!("{state} ({} failed)", t.attempts),
+                            t.last_error.unwrap_or_default(),
+                        ]
+                    })
+                    .collect();
+                print_table(&["plugin", "name", "key", "due", "state", "last error"], &cells);
+            }
+        }
+        TimersCommand::Cancel { plugin, name, key } | TimersCommand::Retry { plugin, name, key }
+            if plugin.is_empty() || name.is_empty() || key.is_empty() =>
+        {
+            anyhow::bail!("give the timer's plugin, name and key (see `obx timers list`)");
+        }
+        TimersCommand::Cancel { plugin, name, key } => {
+            let id = TimerId { plugin, name, key };
+            let found = match &target {
+                Target::Database(pool) => timers::cancel(pool, &id).await?,
+                Target::Host(admin) => admin.post("/v1/timers/cancel", &id).await.map(|_| true)?,
+            };
+            anyhow::ensure!(found, "no timer {} {} {}", id.plugin, id.name, id.key);
+            println!("{} {} {}: cancelled", id.plugin, id.name, id.key);
+        }
+        TimersCommand::Retry { plugin, name, key } => {
+            let id = TimerId { plugin, name, key };
+            let found = match &target {
+                Target::Database(pool) => timers::retry(pool, &id).await?,
+                Target::Host(admin) => admin.post("/v1/timers/retry", &id).await.map(|_| true)?,
+            };
+            anyhow::ensure!(found, "no parked timer {} {} {}", id.plugin, id.name, id.key);
+            println!("{} {} {}: sent back to fire now", id.plugin, id.name, id.key);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -12,7 +12,7 @@ use crate::config::Config;
 mod admin;
 mod plugin;
 
-use admin::{catalog, dlq, outbox_replay, status};
+use admin::{catalog, dlq, outbox_replay, status, timers};
 use plugin::{plugin_check, plugin_new, plugin_test, wit};
 
 #[derive(Parser)]
@@ -85,6 +85,14 @@ enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
+    /// Durable timers: list them, cancel one, send a parked one back to fire. Through the
+    /// running host's admin API, or the database with --direct.
+    Timers {
+        #[command(flatten)]
+        host: HostArgs,
+        #[command(subcommand)]
+        command: TimersCommand,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -116,6 +124,25 @@ enum ConfigCommand {
         #[arg(long)]
         print: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum TimersCommand {
+    /// Lists timers, earliest due first (at most 1,000).
+    List {
+        /// Only this plugin's.
+        #[arg(long)]
+        plugin: Option<String>,
+        /// Only parked ones (their handler kept failing).
+        #[arg(long)]
+        parked: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancels a timer, pending or parked: it never fires.
+    Cancel { plugin: String, name: String, key: String },
+    /// Sends a parked timer back to fire now, its attempts reset.
+    Retry { plugin: String, name: String, key: String },
 }
 
 #[derive(Subcommand)]
@@ -299,6 +326,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             outbox_replay(cli.config, host, filter).await
         }
         Command::Dlq { host, command } => dlq(cli.config, host, command).await,
+        Command::Timers { host, command } => timers(cli.config, host, command).await,
         Command::Status { host, json } => status(cli.config, host, json).await,
         Command::Catalog { host, asyncapi, json } => catalog(cli.config, host, asyncapi, json).await,
         Command::Plugin {
