@@ -3,16 +3,20 @@
 -- host fires a due timer in a transaction of its own on the plugin's session: it takes the
 -- timer (obx_api.timer_take, row locked), runs `handle-timer`, and deletes it in that same
 -- transaction (obx_api.timer_done), so the handler's effects and the timer's end commit
--- together, once. `generation` counts the schedules of a (plugin, name, key): a handler that
--- schedules its own timer again replaces the row, and the firing's delete, which names the
--- generation it fired, leaves the new schedule alone.
+-- together, once. `generation` names one schedule, from a sequence, never reused: a handler
+-- that schedules its own timer again (or cancels it and schedules it anew) replaces the row,
+-- and the firing's delete, which names the generation it fired, leaves the new schedule
+-- alone. No foreign key to obx.plugin: loading a plugin locks its row there for as long as
+-- its migrations run, and a key would make every new schedule wait for that.
+CREATE SEQUENCE obx.timer_generation;
 CREATE TABLE obx.timer (
-    plugin       text        NOT NULL REFERENCES obx.plugin(name) ON DELETE CASCADE,
+    plugin       text        NOT NULL,
     name         text        NOT NULL,
     key          text        NOT NULL,
     due_at       timestamptz NOT NULL,
-    payload      jsonb       NOT NULL,
-    generation   bigint      NOT NULL DEFAULT 1,
+    -- `json`, not `jsonb`: the handler gets back the very text it scheduled.
+    payload      json        NOT NULL,
+    generation   bigint      NOT NULL DEFAULT nextval('obx.timer_generation'),
     -- Failed attempts so far; the next call's `attempt` is this plus one.
     attempts     integer     NOT NULL DEFAULT 0,
     last_error   text,
@@ -30,11 +34,11 @@ CREATE FUNCTION obx_api.timer_schedule(p_name text, p_key text, p_delay_ms bigin
 DECLARE
     v_plugin obx.plugin := obx.session_plugin();
 BEGIN
-    IF p_name IS NULL OR length(p_name) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'a timer name has 1 to 200 characters' USING ERRCODE = 'invalid_parameter_value';
+    IF p_name IS NULL OR octet_length(p_name) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'a timer name has 1 to 200 bytes' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF p_key IS NULL OR length(p_key) NOT BETWEEN 1 AND 1024 THEN
-        RAISE EXCEPTION 'a timer key has 1 to 1024 characters' USING ERRCODE = 'invalid_parameter_value';
+    IF p_key IS NULL OR octet_length(p_key) NOT BETWEEN 1 AND 1024 THEN
+        RAISE EXCEPTION 'a timer key has 1 to 1024 bytes' USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_delay_ms IS NULL OR p_delay_ms NOT BETWEEN 0 AND 315576000000 THEN
         RAISE EXCEPTION 'a timer delay is 0 to 10 years' USING ERRCODE = 'invalid_parameter_value';
@@ -45,9 +49,9 @@ BEGIN
     END IF;
     INSERT INTO obx.timer AS t (plugin, name, key, due_at, payload)
     VALUES (v_plugin.name, p_name, p_key,
-            clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0), p_payload::jsonb)
+            clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0), p_payload::json)
     ON CONFLICT (plugin, name, key) DO UPDATE
-    SET due_at = excluded.due_at, payload = excluded.payload, generation = t.generation + 1,
+    SET due_at = excluded.due_at, payload = excluded.payload, generation = excluded.generation,
         attempts = 0, last_error = NULL, parked_at = NULL, scheduled_at = now();
 END $$;
 

@@ -142,24 +142,86 @@ async fn a_failing_timer_is_retried_then_parked() {
     host.shutdown().await;
 }
 
-/// A handler that schedules its own timer again keeps the new schedule: the firing ends the
-/// generation it fired, not the one its handler made.
+/// A handler that schedules its own timer again keeps the new schedule, also when it cancels
+/// the timer first (a new row): the firing ends the generation it fired, and generations are
+/// never reused.
 #[tokio::test]
 async fn a_timer_its_handler_schedules_again_fires_again() {
     let host = spawn_host(&["testbed"]).await;
-    let body = json!({
-        "name": "tick", "key": "k", "delay_ms": 0,
-        "payload": { "then": { "name": "tick", "delay_ms": 200 } }
-    });
-    assert_eq!(schedule(&host, body).await, 200);
-    eventually(Duration::from_secs(10), "the timer fires twice", || async {
-        fired(&host).await == 2
+    for (key, cancel_first) in [("k", false), ("c", true)] {
+        let body = json!({
+            "name": "tick", "key": key, "delay_ms": 0,
+            "payload": { "then": { "name": "tick", "delay_ms": 200, "cancel_first": cancel_first } }
+        });
+        assert_eq!(schedule(&host, body).await, 200);
+    }
+    eventually(Duration::from_secs(10), "each timer fires twice", || async {
+        fired(&host).await == 4
     })
     .await;
-    // The second schedule carried `{}`: no third firing.
+    // The second schedules carried `{}`: no third firing.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(fired(&host).await, 2);
+    assert_eq!(fired(&host).await, 4);
     assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    host.shutdown().await;
+}
+
+/// A handler that breaks a deferred constraint returns `ok`, and the violation would show
+/// only at the batch's commit: it is checked after the handler instead, as that timer's own
+/// failure, so the timer is parked and the other timers of its batch fire.
+#[tokio::test]
+async fn a_timer_whose_handler_breaks_a_deferred_constraint_is_parked_alone() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 2).await;
+    let bad = json!({ "name": "t", "key": "bad", "delay_ms": 0, "payload": { "defer_violation": true } });
+    assert_eq!(schedule(&host, bad).await, 200);
+    for i in 0..5 {
+        let body = json!({ "name": "t", "key": format!("good{i}"), "delay_ms": 0 });
+        assert_eq!(schedule(&host, body).await, 200);
+    }
+    eventually(Duration::from_secs(10), "the bad timer is parked", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL AND attempts = 2")
+            .await
+            == 1
+    })
+    .await;
+    let error: String = sqlx::query_scalar("SELECT last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert!(error.contains("deferred_once"), "{error}");
+    eventually(Duration::from_secs(10), "the good timers fire", || async {
+        fired(&host).await == 5
+    })
+    .await;
+    assert_eq!(host.count("SELECT count(*) FROM testbed.deferred").await, 0);
+    host.shutdown().await;
+}
+
+/// Each plugin gets a batch in turn: a plugin with thousands of timers due does not hold up
+/// another's. Both have a backlog, so that whichever comes first in the registry's order, a
+/// loop that served one plugin until it had nothing due would be caught.
+#[tokio::test]
+async fn a_plugins_backlog_does_not_hold_up_another_plugins_timers() {
+    let host = spawn_host(&["testbed", "orders"]).await;
+    // orders handles no timers (its SDK export fails them): an attempt shows it was fired.
+    sqlx::query(
+        "INSERT INTO obx.timer (plugin, name, key, due_at, payload) \
+         SELECT p, 'backlog', 'k' || g, clock_timestamp(), '{}' \
+         FROM unnest(ARRAY['testbed', 'orders']) p, generate_series(1, 2000) g",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let attempted = || host.count("SELECT count(*) FROM obx.timer WHERE plugin = 'orders' AND attempts >= 1");
+    eventually(Duration::from_secs(20), "both plugins' timers fire", || async {
+        fired(&host).await > 0 && attempted().await > 0
+    })
+    .await;
+    let (testbed, orders) = (fired(&host).await, attempted().await);
+    assert!(
+        testbed < 2000 && orders < 2000,
+        "one plugin waited for the other's whole backlog: {testbed} / {orders}"
+    );
     host.shutdown().await;
 }
 
@@ -199,6 +261,11 @@ async fn malformed_timers_are_refused_with_the_reason() {
     let cases = [
         (json!({ "name": "", "key": "k", "delay_ms": 0 }), "name"),
         (json!({ "name": "x".repeat(201), "key": "k", "delay_ms": 0 }), "name"),
+        // 300 characters, 1,200 bytes: the limit is in bytes.
+        (
+            json!({ "name": "t", "key": "\u{1F600}".repeat(300), "delay_ms": 0 }),
+            "key",
+        ),
         (json!({ "name": "t", "key": "", "delay_ms": 0 }), "key"),
         (
             json!({ "name": "t", "key": "k", "delay_ms": 400_000_000_000u64 }),

@@ -408,6 +408,9 @@ pub struct EventFailure {
     pub error: String,
     /// Whether another attempt can help: not for invalid input or a business rejection.
     pub retriable: bool,
+    /// The call could not start: no free call slot (the host is overloaded, not the handler
+    /// at fault).
+    pub busy: bool,
     /// The event's transaction, still open (possibly aborted), when it survived the call:
     /// the caller rolls it back, whole or to a savepoint of its own.
     pub tx: Option<PluginTx>,
@@ -601,6 +604,7 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
         (Ok(()), None) => Err(EventFailure {
             error: "the call lost its transaction".into(),
             retriable: true,
+            busy: false,
             tx: None,
         }),
         (Err(e), tx) => {
@@ -611,6 +615,7 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
             Err(EventFailure {
                 error: describe_call_error(&e),
                 retriable,
+                busy: matches!(e, CallError::Busy),
                 tx,
             })
         }

@@ -14,18 +14,27 @@
 //! 5. the handled timers' outbox rows are written and the batch commits: each handler's
 //!    effects and its timer's end commit together, once.
 //!
+//! Every step gives each timed plugin one batch, each plugin first in turn, and a batch
+//! commits after [`BATCH_BUDGET`] whatever is left: no plugin's backlog holds up another's.
+//! A plugin whose batch fails (its session cannot be opened, its commit fails) waits alone,
+//! with backoff. A deferred constraint is checked after each handler, as its own failure; a
+//! commit that fails anyway counts as a failed attempt of each timer of the batch, so that no
+//! timer fires for ever. A call refused for want of a call slot (`Busy`) is not the timer's
+//! fault and is not counted.
+//!
 //! A host killed mid-firing leaves the transaction uncommitted: the row lock goes with its
 //! session, and the timer fires again on a living host.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::Executor as _;
 use tokio::sync::watch;
 
 use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
-use crate::dispatch::Dispatcher;
+use crate::dispatch::{Dispatcher, Emitted, EventFailure};
 use crate::inbox::backoff;
 use crate::runtime::bindings::timer_guest;
 use crate::runtime::registry::Registry;
@@ -107,7 +116,8 @@ pub struct TimerId {
 }
 
 /// Cancels a timer, pending or parked; whether there was one. A timer being fired right now
-/// is waited for (its row is locked): if the firing commits, there is nothing left to cancel.
+/// is waited for (its row is locked, a batch commits within about a second plus one call's
+/// deadline): if the firing commits, there is nothing left to cancel.
 pub async fn cancel(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
     let deleted = sqlx::query("DELETE FROM obx.timer WHERE plugin = $1 AND name = $2 AND key = $3")
         .bind(&id.plugin)
@@ -143,26 +153,30 @@ struct Due {
     attempts: i32,
 }
 
+/// How long a batch may run handlers before it commits what it has done: its timers'
+/// rows stay locked until then, and a command that cancels one of them waits for it.
+const BATCH_BUDGET: Duration = Duration::from_secs(1);
+
+/// What the loop remembers between steps.
+#[derive(Default)]
+struct Turns {
+    /// Where the next step starts in the list of plugins: each goes first in turn.
+    next: usize,
+    /// Plugins whose last batch failed: how many times in a row, and when to try again.
+    failing: HashMap<String, (u32, Instant)>,
+    /// Steps in a row that found timers due but took none (held by other sessions).
+    held: u32,
+}
+
 impl TimerService {
     pub async fn run(mut self) {
         let mut changes = self.registry.changes();
-        let mut failures = 0u32;
+        let mut turns = Turns::default();
         loop {
             if *self.shutdown.borrow() {
                 return;
             }
-            let wait = match self.step().await {
-                Ok(wait) => {
-                    failures = 0;
-                    wait
-                }
-                Err(e) => {
-                    failures += 1;
-                    let wait = backoff(self.config.backoff_initial, Duration::from_secs(1), failures);
-                    tracing::warn!(error = format!("{e:#}"), retry_in = ?wait, "firing timers failed");
-                    wait
-                }
-            };
+            let wait = self.step(&mut turns).await;
             if wait.is_zero() {
                 continue;
             }
@@ -174,24 +188,70 @@ impl TimerService {
         }
     }
 
-    /// Fires what is due; returns how long to wait before the next step.
-    async fn step(&self) -> anyhow::Result<Duration> {
+    /// Fires a batch for every timed plugin, each plugin first in turn; returns how long to
+    /// wait before the next step. A plugin whose batch fails waits alone, with backoff.
+    async fn step(&self, turns: &mut Turns) -> Duration {
         let plugins: Vec<Arc<Plugin>> = self.registry.plugins().into_iter().filter(|p| p.timed()).collect();
         if plugins.is_empty() {
-            return Ok(IDLE_POLL);
+            return IDLE_POLL;
         }
-        for plugin in &plugins {
+        turns.next = turns.next.wrapping_add(1);
+        let mut fired = false;
+        for i in 0..plugins.len() {
             if *self.shutdown.borrow() {
-                return Ok(Duration::ZERO);
+                return Duration::ZERO;
             }
-            if self.fire_batch(plugin).await? {
-                return Ok(Duration::ZERO);
+            let plugin = &plugins[(turns.next + i) % plugins.len()];
+            let name = &plugin.manifest.name;
+            if turns
+                .failing
+                .get(name)
+                .is_some_and(|(_, until)| Instant::now() < *until)
+            {
+                continue;
+            }
+            match self.fire_batch(plugin).await {
+                Ok(any) => {
+                    turns.failing.remove(name);
+                    fired |= any;
+                }
+                Err(e) => {
+                    let failures = turns.failing.get(name).map_or(1, |(n, _)| n + 1);
+                    let wait = backoff(self.config.backoff_initial, self.config.backoff_max, failures);
+                    tracing::warn!(plugin = %name, error = format!("{e:#}"), retry_in = ?wait, "firing timers failed");
+                    turns.failing.insert(name.clone(), (failures, Instant::now() + wait));
+                }
             }
         }
+        if fired {
+            turns.held = 0;
+            return Duration::ZERO;
+        }
+        match self.next_due(&plugins).await {
+            Ok(Some(secs)) if secs <= 0.0 => {
+                // Due, but none could be taken: another session holds them, or their plugin
+                // backs off. Ask again soon, then less and less often.
+                turns.held = turns.held.saturating_add(1);
+                Duration::from_millis(5 << turns.held.min(6)).min(IDLE_POLL)
+            }
+            Ok(Some(secs)) => {
+                turns.held = 0;
+                Duration::from_secs_f64(secs).min(IDLE_POLL)
+            }
+            Ok(None) => IDLE_POLL,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the next timer's due time failed");
+                IDLE_POLL
+            }
+        }
+    }
+
+    /// Seconds until the earliest pending timer of `plugins` is due (negative: overdue).
+    async fn next_due(&self, plugins: &[Arc<Plugin>]) -> sqlx::Result<Option<f64>> {
         let names: Vec<&str> = plugins.iter().map(|p| p.manifest.name.as_str()).collect();
         // Each plugin's earliest pending timer, one index probe each: `min` over
         // `plugin = ANY(...)` would read every pending timer, four times a second.
-        let next: Option<f64> = sqlx::query_scalar(
+        sqlx::query_scalar(
             "SELECT extract(epoch FROM min(t.due_at) - clock_timestamp())::float8 \
              FROM unnest($1::text[]) AS p(name), LATERAL ( \
                  SELECT due_at FROM obx.timer \
@@ -199,16 +259,12 @@ impl TimerService {
         )
         .bind(&names)
         .fetch_one(&self.dispatcher.pool)
-        .await?;
-        Ok(match next {
-            Some(secs) if secs <= 0.0 => Duration::from_millis(5),
-            Some(secs) => Duration::from_secs_f64(secs).min(IDLE_POLL),
-            None => IDLE_POLL,
-        })
+        .await
     }
 
     /// Fires a batch of the plugin's due timers, earliest first, that no other session holds:
-    /// one transaction, each timer behind a savepoint. Returns whether there were any.
+    /// one transaction, each timer behind a savepoint, for at most [`BATCH_BUDGET`]. Returns
+    /// whether there were any.
     async fn fire_batch(&self, plugin: &Plugin) -> anyhow::Result<bool> {
         let name = &plugin.manifest.name;
         let mut tx = self.dispatcher.sessions.begin(name).await?;
@@ -220,60 +276,113 @@ impl TimerService {
             tx.rollback().await?;
             return Ok(false);
         }
+        let started = Instant::now();
         let mut emitted = Vec::with_capacity(due.len());
-        for due in &due {
-            tx.execute("SAVEPOINT obx_timer").await?;
-            let attempt = (due.attempts.max(0) as u32).saturating_add(1);
-            let lateness = (chrono::Utc::now() - due.due_at).num_microseconds().unwrap_or(0).max(0);
-            metrics::histogram!("obx_timer_lateness_seconds", "plugin" => name.clone()).record(lateness as f64 / 1e6);
-            let timer = timer_guest::Timer {
-                name: due.name.clone(),
-                key: due.key.clone(),
-                payload: due.payload.clone(),
-                due_at: due.due_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                attempt,
-            };
-            match self.dispatcher.call_timer(plugin, tx, timer).await {
-                Ok((mut back, e)) => {
+        let mut done = Vec::with_capacity(due.len());
+        for due in due {
+            if started.elapsed() > BATCH_BUDGET || *self.shutdown.borrow() {
+                // The rest stay due; the commit below releases their rows.
+                break;
+            }
+            match self.fire_one(plugin, tx, &due).await? {
+                Fired::Done(back, e) => {
+                    tx = back;
+                    emitted.push(e);
+                    done.push(due);
+                }
+                Fired::Failed(back) => tx = back,
+                Fired::Busy(back) => {
+                    tx = back;
+                    break;
+                }
+            }
+        }
+        if let Err(e) = crate::inbox::handling::commit(&self.dispatcher, tx, &emitted).await {
+            // What the batch's handlers did is gone with it: each of them counts as failed, or
+            // a plugin whose commits always fail would fire the same timers for ever.
+            let mut fresh = self.dispatcher.sessions.begin(name).await?;
+            let error = format!("the transaction could not commit: {e}");
+            for due in &done {
+                let attempt = attempt_of(due);
+                let park = attempt >= self.config.max_attempts;
+                self.record_failure(&mut fresh, due, attempt, &error, park).await?;
+            }
+            fresh.commit().await?;
+            return Err(e.into());
+        }
+        Ok(true)
+    }
+
+    /// Runs one timer's handler behind a savepoint of `tx`.
+    async fn fire_one(&self, plugin: &Plugin, mut tx: PluginTx, due: &Due) -> anyhow::Result<Fired> {
+        let name = &plugin.manifest.name;
+        tx.execute("SAVEPOINT obx_timer").await?;
+        let attempt = attempt_of(due);
+        let lateness = (chrono::Utc::now() - due.due_at).num_microseconds().unwrap_or(0).max(0);
+        metrics::histogram!("obx_timer_lateness_seconds", "plugin" => name.clone()).record(lateness as f64 / 1e6);
+        let timer = timer_guest::Timer {
+            name: due.name.clone(),
+            key: due.key.clone(),
+            payload: due.payload.clone(),
+            due_at: due.due_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            attempt,
+        };
+        let failure = match self.dispatcher.call_timer(plugin, tx, timer).await {
+            Ok((mut back, emitted)) => {
+                // Deferred constraints are checked here, as this timer's own failure, not at
+                // the batch's commit.
+                let ended = async {
+                    back.execute("SET CONSTRAINTS ALL IMMEDIATE").await?;
                     sqlx::query("SELECT obx_api.timer_done($1, $2, $3)")
                         .bind(&due.name)
                         .bind(&due.key)
                         .bind(due.generation)
                         .execute(&mut *back)
-                        .await?;
-                    emitted.push(e);
-                    tx = back;
+                        .await
                 }
-                Err(failure) => {
-                    let park = !failure.retriable || attempt >= self.config.max_attempts;
-                    tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
-                        error = %failure.error, "a timer handler failed");
-                    match failure.tx {
-                        Some(mut back) if !back.is_poisoned() => {
-                            back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
-                            self.record_failure(&mut back, due, attempt, &failure.error, park)
-                                .await?;
-                            tx = back;
-                        }
-                        lost => {
-                            // The call's session may still be running a statement: it goes,
-                            // with the batch's work, and the failure is recorded on a fresh
-                            // session. The batch's other timers are due again at once.
-                            if let Some(session) = lost {
-                                session.abandon();
-                            }
-                            let mut fresh = self.dispatcher.sessions.begin(name).await?;
-                            self.record_failure(&mut fresh, due, attempt, &failure.error, park)
-                                .await?;
-                            fresh.commit().await?;
-                            return Ok(true);
-                        }
-                    }
+                .await;
+                match ended {
+                    Ok(_) => return Ok(Fired::Done(back, emitted)),
+                    Err(e) => EventFailure {
+                        error: format!("the timer could not end: {e}"),
+                        retriable: true,
+                        busy: false,
+                        tx: Some(back),
+                    },
                 }
             }
+            Err(failure) => failure,
+        };
+        let park = !failure.retriable || attempt >= self.config.max_attempts;
+        match failure.tx {
+            Some(mut back) if !back.is_poisoned() => {
+                back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
+                if failure.busy {
+                    // No call slot: the host is overloaded, the timer is not at fault.
+                    return Ok(Fired::Busy(back));
+                }
+                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
+                    error = %failure.error, "a timer handler failed");
+                self.record_failure(&mut back, due, attempt, &failure.error, park)
+                    .await?;
+                Ok(Fired::Failed(back))
+            }
+            lost => {
+                // The call's session may still be running a statement: it goes, with the
+                // batch's work, and the failure is recorded on a fresh session. The batch's
+                // other timers are due again at once.
+                if let Some(session) = lost {
+                    session.abandon();
+                }
+                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
+                    error = %failure.error, "a timer handler failed and took its transaction with it");
+                let mut fresh = self.dispatcher.sessions.begin(name).await?;
+                self.record_failure(&mut fresh, due, attempt, &failure.error, park)
+                    .await?;
+                fresh.commit().await?;
+                anyhow::bail!("a timer handler lost its transaction: {}", failure.error)
+            }
         }
-        crate::inbox::handling::commit(&self.dispatcher, tx, &emitted).await?;
-        Ok(true)
     }
 
     /// Records a failed firing of `due` in `tx`: due again after the backoff, or parked.
@@ -298,4 +407,19 @@ impl TimerService {
             .await?;
         Ok(())
     }
+}
+
+/// How one timer's firing ended, with the batch's transaction.
+enum Fired {
+    /// Its handler returned `ok` and the timer ended; what it emitted, unwritten.
+    Done(PluginTx, Emitted),
+    /// Its handler failed, was rolled back to its savepoint, and the failure recorded.
+    Failed(PluginTx),
+    /// There was no call slot: rolled back, not counted; the batch stops here.
+    Busy(PluginTx),
+}
+
+/// The attempt a firing of `due` is: one more than its recorded failures.
+fn attempt_of(due: &Due) -> u32 {
+    (due.attempts.max(0) as u32).saturating_add(1)
 }

@@ -90,7 +90,9 @@ impl Guest for Testbed {
                     // No key on purpose: a timer that took effect twice would show as two rows.
                     sql: "CREATE TABLE timers_fired (name text NOT NULL, key text NOT NULL, payload jsonb, \
                                                      due_at timestamptz NOT NULL, attempt integer NOT NULL, \
-                                                     at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                                                     at timestamptz NOT NULL DEFAULT clock_timestamp()); \
+                          CREATE TABLE deferred (id text, \
+                                                 CONSTRAINT deferred_once UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
                         .into(),
                 },
             ],
@@ -485,8 +487,9 @@ fn schedule(p: &Value) -> Result<String, HandlerError> {
     Ok(json!({ "scheduled": name }).to_string())
 }
 
-/// Records each firing; fails when the payload says `fail`, and schedules a follow-up timer
-/// when it names `then` (`{"then": {"name", "delay_ms"}}`).
+/// Records each firing; fails when the payload says `fail`, schedules a follow-up timer when
+/// it names `then` (`{"then": {"name", "delay_ms", "cancel_first"}}`), and breaks a deferred
+/// constraint when it says `defer_violation`.
 impl obx_sdk::TimerGuest for Testbed {
     fn handle_timer(timer: obx_sdk::Timer) -> Result<(), HandlerError> {
         let payload: Value = serde_json::from_str(&timer.payload).unwrap_or(Value::Null);
@@ -502,7 +505,17 @@ impl obx_sdk::TimerGuest for Testbed {
         )?;
         if let Some(then) = payload.get("then") {
             let name = then["name"].as_str().unwrap_or("then");
+            if then["cancel_first"].as_bool() == Some(true) {
+                obx_sdk::cancel_timer(name, &timer.key)?;
+            }
             obx_sdk::schedule_timer(name, &timer.key, then["delay_ms"].as_u64().unwrap_or(0), "{}")?;
+        }
+        // Breaks a deferred constraint: the handler returns `ok`, the violation shows later.
+        if payload["defer_violation"].as_bool() == Some(true) {
+            execute(
+                "INSERT INTO deferred (id) VALUES ($1), ($1)",
+                &[SqlValue::Text(timer.key.clone())],
+            )?;
         }
         if payload["fail"].as_bool() == Some(true) {
             return Err(HandlerError::Failed("the testbed's timer failed".into()));

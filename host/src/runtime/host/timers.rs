@@ -26,6 +26,14 @@ impl Host for CallState {
                 payload.len()
             )));
         }
+        // Timers' payloads share the call's budget with its events' (what one call may write).
+        if self.event_bytes + payload.len() > self.limits.max_emit_bytes_per_call {
+            self.fail("too many payload bytes");
+            return Err(TimerError::Limit(format!(
+                "the events and timers of one call may hold at most {} payload bytes",
+                self.limits.max_emit_bytes_per_call
+            )));
+        }
         if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&payload) {
             return Err(TimerError::Invalid(format!("the payload is not valid JSON: {e}")));
         }
@@ -37,6 +45,9 @@ impl Host for CallState {
             .bind(&payload)
             .execute(&mut **tx)
             .await;
+        if run.is_ok() {
+            self.event_bytes += payload.len();
+        }
         self.after_statement(run.map(|_| ()))
     }
 
@@ -72,11 +83,12 @@ impl CallState {
             self.fail("the call deadline passed during a timer call");
             return Err(TimerError::Database("the call deadline has passed".into()));
         }
-        if name.is_empty() || name.chars().count() > 200 {
-            return Err(TimerError::Invalid("a timer name has 1 to 200 characters".into()));
+        // In bytes, as the database counts them: the key of `obx.timer` must fit an index entry.
+        if name.is_empty() || name.len() > 200 {
+            return Err(TimerError::Invalid("a timer name has 1 to 200 bytes".into()));
         }
-        if key.is_empty() || key.chars().count() > 1024 {
-            return Err(TimerError::Invalid("a timer key has 1 to 1024 characters".into()));
+        if key.is_empty() || key.len() > 1024 {
+            return Err(TimerError::Invalid("a timer key has 1 to 1024 bytes".into()));
         }
         if name.contains('\0') || key.contains('\0') {
             return Err(TimerError::Invalid(
