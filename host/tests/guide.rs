@@ -58,7 +58,7 @@ fn build_python(code: &str, dir: &Path) -> PathBuf {
             .current_dir(dir)
             .arg("-d")
             .arg(repo().join("wit"))
-            .args(["-w", "obx:plugin/plugin", "componentize", "app", "-o"])
+            .args(["-w", "obx:plugin/timed-plugin", "componentize", "app", "-o"])
             .arg(&out),
     );
     out
@@ -78,7 +78,7 @@ fn build_js(code: &str, dir: &Path) -> PathBuf {
             .arg("app.js")
             .arg("--wit")
             .arg(repo().join("wit"))
-            .args(["--world-name", "plugin"])
+            .args(["--world-name", "timed-plugin"])
             .args(["-d", "stdio", "random", "clocks", "http", "fetch-event", "-o"])
             .arg(&out),
     );
@@ -86,7 +86,7 @@ fn build_js(code: &str, dir: &Path) -> PathBuf {
 }
 
 /// What each language's block must show: a command, a query with parameters and typed
-/// results, an emit, a log line, typed errors, a subscription.
+/// results, an emit, a log line, typed errors, a subscription, payload schemas, a timer.
 const SHOWS: &[(&str, &[&str])] = &[
     (
         "rust",
@@ -100,6 +100,8 @@ const SHOWS: &[(&str, &[&str])] = &[
             "Subscription {",
             "fn handle_event",
             "declare_payload(",
+            "schedule(",
+            "fn handle_timer",
         ],
     ),
     (
@@ -114,6 +116,8 @@ const SHOWS: &[(&str, &[&str])] = &[
             "handler.Subscription",
             "def handle_event",
             "contract.declare_payload(",
+            "timers.schedule(",
+            "def handle_timer",
         ],
     ),
     (
@@ -128,6 +132,8 @@ const SHOWS: &[(&str, &[&str])] = &[
             "subscriptions:",
             "handleEvent",
             "declarePayload(",
+            "schedule(",
+            "handleTimer",
         ],
     ),
 ];
@@ -197,6 +203,46 @@ fn deposits_add_up_and_an_overdraft_is_rejected(language: &str, wasm: &Path) {
         assert_eq!(body["error"]["code"], "rejected", "{language}: {body}");
         let nonsense = deposit("lots").await.unwrap();
         assert_eq!(nonsense.status(), 400, "{language}: an amount that is not a number");
+        // The deposits scheduled a statement a day ahead: one timer, pending.
+        let timers = |client: reqwest::Client, base: String| async move {
+            let status: serde_json::Value = client
+                .get(format!("{base}/v1/status"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let ledger = status["timers"]
+                .as_array()
+                .and_then(|t| t.iter().find(|t| t["plugin"] == "ledger").cloned());
+            ledger.map_or((0, 0), |t| {
+                (t["pending"].as_i64().unwrap_or(0), t["parked"].as_i64().unwrap_or(0))
+            })
+        };
+        assert_eq!(timers(client.clone(), base.clone()).await, (1, 0), "{language}");
+        // A deposit that asks for its statement now: the timer fires, and its handler succeeds
+        // (a failing one would be retried, then parked).
+        let soon = client
+            .post(format!("{base}/v1/commands/ledger/Deposit"))
+            .json(&serde_json::json!({ "account": "a-1", "amount": "1", "statementInMs": 100 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(soon.status(), 200, "{language}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let (pending, parked) = timers(client.clone(), base.clone()).await;
+            assert_eq!(parked, 0, "{language}: the statement timer's handler failed");
+            if pending == 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{language}: the statement timer never fired"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     });
     let status = stop(&mut child);
     assert!(status.success(), "{language}: {}", log.join().unwrap().join("\n"));
