@@ -534,11 +534,12 @@ impl Dispatcher {
         end_call_span(call, &output.result, output.events.len());
         let outcome = handled(plugin, output, trace);
         tracing::trace!(took = ?started.elapsed(), "event handler");
-        let label = if outcome.is_ok() { "ok" } else { "failed" };
-        metrics::counter!("obx_events_handled_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
-            .increment(1);
-        metrics::histogram!("obx_event_handler_duration_seconds", "plugin" => plugin.manifest.name.clone())
-            .record(started.elapsed().as_secs_f64());
+        count_outcome(
+            plugin,
+            &outcome,
+            started,
+            ("obx_events_handled_total", "obx_event_handler_duration_seconds"),
+        );
         outcome
     }
 
@@ -570,11 +571,12 @@ impl Dispatcher {
         if let Err(failure) = &outcome {
             otel.fail(failure.error.clone());
         }
-        let label = if outcome.is_ok() { "ok" } else { "failed" };
-        metrics::counter!("obx_timers_fired_total", "plugin" => plugin.manifest.name.clone(), "outcome" => label)
-            .increment(1);
-        metrics::histogram!("obx_timer_handler_duration_seconds", "plugin" => plugin.manifest.name.clone())
-            .record(started.elapsed().as_secs_f64());
+        count_outcome(
+            plugin,
+            &outcome,
+            started,
+            ("obx_timers_fired_total", "obx_timer_handler_duration_seconds"),
+        );
         outcome
     }
 
@@ -620,6 +622,19 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
             })
         }
     }
+}
+
+/// Counts a handler call by outcome (`counter`, labelled `ok` or `failed`) and records how
+/// long it took (`histogram`), per plugin.
+fn count_outcome<T>(
+    plugin: &Plugin,
+    outcome: &Result<T, EventFailure>,
+    started: Instant,
+    (counter, histogram): (&'static str, &'static str),
+) {
+    let label = if outcome.is_ok() { "ok" } else { "failed" };
+    metrics::counter!(counter, "plugin" => plugin.manifest.name.clone(), "outcome" => label).increment(1);
+    metrics::histogram!(histogram, "plugin" => plugin.manifest.name.clone()).record(started.elapsed().as_secs_f64());
 }
 
 /// A call error in words, for the operator.

@@ -119,27 +119,34 @@ pub struct TimerId {
 /// is waited for (its row is locked, a batch commits within about a second plus one call's
 /// deadline): if the firing commits, there is nothing left to cancel.
 pub async fn cancel(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
-    let deleted = sqlx::query("DELETE FROM obx.timer WHERE plugin = $1 AND name = $2 AND key = $3")
+    changes_one(
+        pool,
+        "DELETE FROM obx.timer WHERE plugin = $1 AND name = $2 AND key = $3",
+        id,
+    )
+    .await
+}
+
+/// Sends a parked timer back to fire now, its attempts reset; whether one was parked.
+pub async fn retry(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
+    changes_one(
+        pool,
+        "UPDATE obx.timer SET parked_at = NULL, attempts = 0, last_error = NULL, due_at = clock_timestamp() \
+         WHERE plugin = $1 AND name = $2 AND key = $3 AND parked_at IS NOT NULL",
+        id,
+    )
+    .await
+}
+
+/// Runs `statement` with the timer `id` as $1, $2, $3; whether it changed that timer's row.
+async fn changes_one(pool: &sqlx::PgPool, statement: &str, id: &TimerId) -> sqlx::Result<bool> {
+    let done = sqlx::query(statement)
         .bind(&id.plugin)
         .bind(&id.name)
         .bind(&id.key)
         .execute(pool)
         .await?;
-    Ok(deleted.rows_affected() == 1)
-}
-
-/// Sends a parked timer back to fire now, its attempts reset; whether one was parked.
-pub async fn retry(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
-    let updated = sqlx::query(
-        "UPDATE obx.timer SET parked_at = NULL, attempts = 0, last_error = NULL, due_at = clock_timestamp() \
-         WHERE plugin = $1 AND name = $2 AND key = $3 AND parked_at IS NOT NULL",
-    )
-    .bind(&id.plugin)
-    .bind(&id.name)
-    .bind(&id.key)
-    .execute(pool)
-    .await?;
-    Ok(updated.rows_affected() == 1)
+    Ok(done.rows_affected() == 1)
 }
 
 /// A due timer, as `obx_api.timer_take` returns it.
