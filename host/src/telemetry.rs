@@ -85,6 +85,7 @@ async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
     metrics::gauge!("obx_outbox_backlog").set(outbox.backlog as f64);
     metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(outbox.oldest_unpublished_seconds.unwrap_or(0.0));
     metrics::gauge!("obx_outbox_set_aside").set(outbox.rows_set_aside as f64);
+    metrics::gauge!("obx_outbox_delayed").set(outbox.delayed as f64);
     let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
         "SELECT p.name, \
                 (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \

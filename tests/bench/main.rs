@@ -1176,6 +1176,7 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
                     payload: payload.to_string(),
                     topic: "order.events".into(),
                     partition_key: id.to_string(),
+                    delay_ms: 0,
                 };
                 obx::outbox::writer::insert(&mut tx, "0.1.0", None, &[event]).await?;
                 tx.commit().await?;

@@ -142,7 +142,7 @@ fn main() -> Result<()> {
     }
 }
 
-/// Runs the relay and consumption tests against an external broker.
+/// Runs the relay, delayed-event and consumption tests against an external broker.
 fn external_broker_tests(root: &Path, plugins: &Path) -> Result<()> {
     let mut tansu = None;
     let brokers = match std::env::var("KAFKA_BROKERS") {
@@ -172,6 +172,8 @@ fn external_broker_tests(root: &Path, plugins: &Path) -> Result<()> {
             "obx-tests",
             "--test",
             "relay",
+            "--test",
+            "delayed",
             "--test",
             "consume",
             "--no-fail-fast",

@@ -160,11 +160,13 @@ pub(super) async fn status(config: Option<PathBuf>, host: HostArgs, json: bool) 
     }
     let o = &body["outbox"];
     println!(
-        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery, {} set aside (refused for good)",
+        "\noutbox: {} unpublished, oldest {:.1} s, {} rows failing delivery, {} set aside (refused for good), \
+         {} delayed (not due yet)",
         o["backlog"],
         o["oldest_unpublished_seconds"].as_f64().unwrap_or(0.0),
         o["rows_failing"],
-        o["rows_set_aside"]
+        o["rows_set_aside"],
+        o["delayed"]
     );
     println!(
         "\nconsumption\n  {:<16} {:>8} {:>8} {:>13} {:>12}",

@@ -24,15 +24,18 @@ pub struct Backlog {
     pub rows_failing: i64,
     /// Rows the broker refuses for good, set aside so that their key moves on.
     pub rows_set_aside: i64,
+    /// Delayed events not yet due (`outbox.emit-delayed`), outside the backlog.
+    pub delayed: i64,
 }
 
 /// Reads the [`Backlog`].
 pub async fn backlog(pool: &sqlx::PgPool) -> sqlx::Result<Backlog> {
-    let (backlog, oldest, failing, set_aside): (i64, Option<f64>, i64, i64) = sqlx::query_as(
+    let (backlog, oldest, failing, set_aside, delayed): (i64, Option<f64>, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE NOT coalesce(f.set_aside, false)), \
                 extract(epoch FROM now() - min(o.created_at) FILTER (WHERE NOT coalesce(f.set_aside, false)))::float8, \
                 count(f.outbox_id) FILTER (WHERE NOT f.set_aside), \
-                count(*) FILTER (WHERE f.set_aside) \
+                count(*) FILTER (WHERE f.set_aside), \
+                (SELECT count(*) FROM obx.outbox_delayed) \
          FROM obx.outbox_event o LEFT JOIN obx.outbox_delivery_failure f ON f.outbox_id = o.id \
          WHERE o.published_at IS NULL",
     )
@@ -43,6 +46,7 @@ pub async fn backlog(pool: &sqlx::PgPool) -> sqlx::Result<Backlog> {
         oldest_unpublished_seconds: oldest,
         rows_failing: failing,
         rows_set_aside: set_aside,
+        delayed,
     })
 }
 
@@ -57,6 +61,8 @@ pub struct NewEvent {
     pub payload: String,
     pub topic: String,
     pub partition_key: String,
+    /// Milliseconds after its write before the relay may publish it; 0 publishes on commit.
+    pub delay_ms: u64,
 }
 
 /// The fields of an event as a plugin gave them, before validation.
@@ -120,6 +126,7 @@ impl RawEvent {
             payload: self.payload,
             topic: self.topic,
             partition_key,
+            delay_ms: 0,
         })
     }
 }

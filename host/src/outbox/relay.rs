@@ -32,6 +32,10 @@
 //! between the send and the mark leaves the row unpublished, and it is sent again: consumers
 //! deduplicate by `eventId`. Kafka's idempotence covers one producer session only.
 //!
+//! **Delayed events** wait in `obx.outbox_delayed`. Before each claim a relay moves the due
+//! ones into the outbox (`obx.outbox_release_due`), where each takes its place in its key's
+//! order at that moment; an idle relay sleeps no longer than until the next one is due.
+//!
 //! **Wake-ups.** The relay wakes when this host commits outbox rows (in process), when
 //! another host does (`LISTEN obx_outbox`, sent by [`run_notifier`] outside the command
 //! transactions), and on a slow poll as a fallback.
@@ -233,6 +237,8 @@ struct State {
     last_rebalance: Option<Instant>,
     /// When the last claim began.
     last_step: Option<Instant>,
+    /// How long, at the last step, until the earliest delayed event was due.
+    next_delayed: Option<Duration>,
 }
 
 impl Relay {
@@ -246,6 +252,7 @@ impl Relay {
             topics: HashSet::new(),
             last_rebalance: None,
             last_step: None,
+            next_delayed: None,
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -268,7 +275,8 @@ impl Relay {
                     if since < self.config.min_step_interval {
                         tokio::time::sleep(self.config.min_step_interval - since).await;
                     }
-                    (self.config.poll_interval, true)
+                    let poll = self.config.poll_interval;
+                    (state.next_delayed.map_or(poll, |due| due.min(poll)), true)
                 }
                 Ok(Outcome::Backoff) => (next_backoff(&mut backoff, self.config.backoff_max), false),
                 Ok(Outcome::Waiting) => (self.config.backoff_initial, false),
@@ -409,6 +417,7 @@ impl Relay {
         }
         let producer = st.producer.as_ref().expect("built above");
 
+        st.next_delayed = release_due(conn, self.config.batch_size, self.owns_all.load(Ordering::Relaxed)).await?;
         let shards: Vec<i32> = st.shards.iter().copied().collect();
         let started = Instant::now();
         st.last_step = Some(started);
@@ -679,6 +688,28 @@ enum Wake {
     Timer,
     ListenerLost,
     Stop,
+}
+
+/// Moves the delayed events that are due into the outbox (each takes its place in its key's
+/// order now), in a transaction of its own, before the claim; wakes the other relays if it
+/// moved any, since their shards may hold them. Returns how long until the next is due.
+async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -> Result<Option<Duration>> {
+    let (released, next_due_ms): (i32, Option<i64>) =
+        sqlx::query_as("SELECT released, next_due_ms FROM obx.outbox_release_due($1)")
+            .bind(i32::try_from(batch_size).unwrap_or(i32::MAX))
+            .fetch_one(&mut *conn)
+            .await
+            .context("releasing due delayed events")?;
+    if released > 0 {
+        metrics::counter!("obx_outbox_delayed_released_total").increment(released as u64);
+        if !owns_all {
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(NOTIFY_CHANNEL)
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
+    Ok(next_due_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
 }
 
 fn next_backoff(backoff: &mut Duration, max: Duration) -> Duration {

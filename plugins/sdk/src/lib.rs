@@ -78,6 +78,13 @@ pub fn emit(event: &OutboxEvent) -> Result<String, EmitError> {
     bindings::obx::plugin::outbox::emit(event)
 }
 
+/// Like [`emit`], but the relay publishes the event no earlier than `delay_ms` after the call
+/// wrote it (by the database's clock). It exists only if the call commits, and it takes its
+/// place among its key's events when it is due.
+pub fn emit_delayed(event: &OutboxEvent, delay_ms: u64) -> Result<String, EmitError> {
+    bindings::obx::plugin::outbox::emit_delayed(event, delay_ms)
+}
+
 /// Declares the JSON Schema of an event's payload (and an example payload), from
 /// `describe`: `emit` then refuses payloads that break it, consumed events that break it are
 /// parked before the handler, and `obx catalog` and `obx plugin test` use it.

@@ -227,7 +227,7 @@ fn sequenced(p: &Value) -> Result<String, HandlerError> {
         &[SqlValue::Text(format!("seq:{key}"))],
     )?;
     let seq = rows.value(0, "n").and_then(SqlValue::as_int).unwrap_or(-1);
-    emit(&OutboxEvent {
+    let event = OutboxEvent {
         event_id: None,
         aggregate_type: "Sequence".into(),
         aggregate_id: key.into(),
@@ -235,7 +235,12 @@ fn sequenced(p: &Value) -> Result<String, HandlerError> {
         payload: json!({ "key": key, "seq": seq, "nonce": p["nonce"] }).to_string(),
         topic: "testbed.events".into(),
         partition_key: Some(key.into()),
-    })?;
+    };
+    // `delay_ms` publishes it later, through emit-delayed.
+    match p["delay_ms"].as_u64() {
+        Some(ms) => obx_sdk::emit_delayed(&event, ms)?,
+        None => emit(&event)?,
+    };
     if let Some(ms) = p["timer_ms"].as_u64() {
         let payload = json!({ "key": key, "seq": seq, "nonce": p["nonce"] }).to_string();
         obx_sdk::schedule_timer("seq", &format!("{key}:{seq}"), ms, &payload)?;

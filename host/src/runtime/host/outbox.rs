@@ -7,15 +7,29 @@
 //! producer's `message.max.bytes` at start): an event that could never be delivered is
 //! refused here, not at the broker. The database checks the same again (`obx_api.emit`).
 //! A payload must also match the schema the plugin declared for it, if any
-//! (`obx:plugin/contract`).
+//! (`obx:plugin/contract`). `emit-delayed` is `emit` with a delay: the writer sends such
+//! events to `obx.outbox_delayed`, and the relay releases them when they are due.
 
 use crate::outbox::{EventError, RawEvent};
 use crate::runtime::bindings::outbox::{EmitError, Event, Host};
 use crate::runtime::state::CallState;
 
+/// The longest delay of an event: ten years, in milliseconds (as `obx_api.emit_delayed` checks).
+pub(super) const MAX_DELAY_MS: u64 = 315_576_000_000;
+
 impl Host for CallState {
     fn emit(&mut self, event: Event) -> Result<String, EmitError> {
-        let result = self.try_emit(event);
+        self.emit_after(event, 0)
+    }
+
+    fn emit_delayed(&mut self, event: Event, delay_ms: u64) -> Result<String, EmitError> {
+        self.emit_after(event, delay_ms)
+    }
+}
+
+impl CallState {
+    fn emit_after(&mut self, event: Event, delay_ms: u64) -> Result<String, EmitError> {
+        let result = self.try_emit(event, delay_ms);
         if let Err(e) = &result {
             let reason = match e {
                 EmitError::Invalid(m) | EmitError::Limit(m) => m,
@@ -24,14 +38,15 @@ impl Host for CallState {
         }
         result
     }
-}
 
-impl CallState {
-    fn try_emit(&mut self, event: Event) -> Result<String, EmitError> {
+    fn try_emit(&mut self, event: Event, delay_ms: u64) -> Result<String, EmitError> {
         if self.tx.is_none() {
             return Err(EmitError::Invalid(
                 "emit is available only inside handle-command and handle-event".into(),
             ));
+        }
+        if delay_ms > MAX_DELAY_MS {
+            return Err(EmitError::Limit(format!("the delay is {delay_ms} ms, over ten years")));
         }
         let limits = &self.limits;
         if self.events.len() >= limits.max_emits_per_call as usize {
@@ -49,7 +64,7 @@ impl CallState {
             topic: event.topic,
             partition_key: event.partition_key,
         };
-        let event = raw.validate(limits.max_payload_bytes).map_err(|e| match e {
+        let mut event = raw.validate(limits.max_payload_bytes).map_err(|e| match e {
             EventError::Invalid(m) => EmitError::Invalid(m),
             EventError::TooLarge(m) => EmitError::Limit(m),
         })?;
@@ -73,6 +88,7 @@ impl CallState {
             )));
         }
         let id = event.event_id.to_string();
+        event.delay_ms = delay_ms;
         self.event_bytes += event.payload.len();
         self.events.push(event);
         Ok(id)

@@ -5,13 +5,12 @@
 //! refused here with a clear message; the database checks the same again. A statement that
 //! fails marks the call as unable to commit, like a failed `sql` statement.
 
+use super::outbox::MAX_DELAY_MS;
 use crate::runtime::bindings::timers::{Host, TimerError};
 use crate::runtime::state::CallState;
 
 /// The most timers one call may schedule or cancel.
 pub(crate) const MAX_TIMER_CALLS: u32 = 1000;
-/// The longest delay: ten years, in milliseconds (as `obx_api.timer_schedule` checks).
-const MAX_DELAY_MS: u64 = 315_576_000_000;
 
 impl Host for CallState {
     async fn schedule(&mut self, name: String, key: String, delay_ms: u64, payload: String) -> Result<(), TimerError> {
