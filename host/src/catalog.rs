@@ -45,6 +45,11 @@ const ANY: &str = "*";
 
 /// The catalogue of `manifests`, whose topics carry `topic_prefix` on Kafka.
 pub fn build(service: &str, topic_prefix: &str, manifests: &[Manifest]) -> Catalog {
+    // By name: the registry's order is the order plugins happened to load in, and the
+    // catalogue lists emitters and consumers the same way every time.
+    let mut by_name: Vec<&Manifest> = manifests.iter().collect();
+    by_name.sort_by(|a, b| a.name.cmp(&b.name));
+    let manifests = by_name.as_slice();
     let mut events: BTreeMap<(String, String), CatalogEvent> = BTreeMap::new();
     fn entry<'a>(
         events: &'a mut BTreeMap<(String, String), CatalogEvent>,
@@ -288,7 +293,7 @@ mod tests {
         assert_eq!(created.kafka_topic, "prod.order.events");
         assert_eq!(created.emitted_by, ["orders"]);
         let consumers: Vec<&str> = created.consumed_by.iter().map(|c| c.plugin.as_str()).collect();
-        assert_eq!(consumers, ["inventory", "audit"]);
+        assert_eq!(consumers, ["audit", "inventory"], "by name, whatever the load order");
         // A topic nobody declares a type on: the subscription to all of it is still listed.
         assert_eq!(catalog.events[1].event_type, ANY);
         assert_eq!(catalog.events[1].consumed_by[0].plugin, "audit");

@@ -50,6 +50,8 @@ fn the_example_chain_has_a_catalogue_and_a_valid_asyncapi_document() {
         ("OrderCreated", "orders", "inventory (dedup)"),
         ("ProductReserved", "inventory", "payments (inbox)"),
         ("PaymentRequested", "payments", "shipping (dedup)"),
+        ("PaymentConfirmed", "payments", "orders (dedup)"),
+        ("PaymentTimedOut", "payments", "inventory (dedup)"),
         ("ShipmentScheduled", "shipping", "notifications (dedup)"),
     ] {
         let line = row(event);

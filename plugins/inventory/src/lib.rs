@@ -4,6 +4,9 @@
 //!
 //! OrderCreated (order.events) → ProductReserved, or ProductReservationFailed when stock is
 //! short (inventory.events, key = the order id).
+//!
+//! PaymentTimedOut (payment.events) → the order's reservations are released: the saga's
+//! compensation when an order's payment deadline passes.
 
 use obx_sdk::{
     emit, execute, invalid, log, query, Command, DeliveryMode, Event, Guest, HandlerError, Level, Manifest, Migration,
@@ -47,6 +50,12 @@ impl Guest for Inventory {
             include_str!("../../contracts/OrderCreated.schema.json"),
             Some(include_str!("../../contracts/OrderCreated.example.json")),
         );
+        obx_sdk::declare_payload(
+            "payment.events",
+            "PaymentTimedOut",
+            include_str!("../../contracts/PaymentTimedOut.schema.json"),
+            Some(include_str!("../../contracts/PaymentTimedOut.example.json")),
+        );
         // The events it emits: `emit` holds its own payloads to these.
         obx_sdk::declare_payload(
             "inventory.events",
@@ -64,11 +73,18 @@ impl Guest for Inventory {
             name: "inventory".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             commands: vec!["AddStock".into(), "GetStock".into()],
-            subscriptions: vec![Subscription {
-                topic: "order.events".into(),
-                event_types: vec!["OrderCreated".into()],
-                mode: DeliveryMode::Dedup,
-            }],
+            subscriptions: vec![
+                Subscription {
+                    topic: "order.events".into(),
+                    event_types: vec!["OrderCreated".into()],
+                    mode: DeliveryMode::Dedup,
+                },
+                Subscription {
+                    topic: "payment.events".into(),
+                    event_types: vec!["PaymentTimedOut".into()],
+                    mode: DeliveryMode::Dedup,
+                },
+            ],
             emits: obx_sdk::emits("inventory.events", &["ProductReserved", "ProductReservationFailed"]),
             migrations: vec![Migration {
                 id: 1,
@@ -108,6 +124,14 @@ impl Guest for Inventory {
     }
 
     fn handle_event(event: Event) -> Result<(), HandlerError> {
+        if event.event_type == "PaymentTimedOut" {
+            let p: serde_json::Value =
+                serde_json::from_str(&event.payload).map_err(|e| invalid(format!("PaymentTimedOut: {e}")))?;
+            let order_id = p["orderId"]
+                .as_str()
+                .ok_or_else(|| invalid("PaymentTimedOut: no orderId"))?;
+            return release(order_id);
+        }
         let order: OrderCreated =
             serde_json::from_str(&event.payload).map_err(|e| invalid(format!("OrderCreated: {e}")))?;
         // Product rows are locked in one order, whatever the order's item order: two
@@ -164,15 +188,7 @@ impl Guest for Inventory {
 /// the same order are released first, so that the event's transaction leaves no partial
 /// reservation behind.
 fn reservation_failed(order: &OrderCreated, short: &Item) -> Result<(), HandlerError> {
-    execute(
-        "UPDATE products p SET reserved_quantity = p.reserved_quantity - r.quantity \
-         FROM reservations r WHERE r.order_id = $1 AND r.product_id = p.id",
-        &[SqlValue::Text(order.order_id.clone())],
-    )?;
-    execute(
-        "DELETE FROM reservations WHERE order_id = $1",
-        &[SqlValue::Text(order.order_id.clone())],
-    )?;
+    release(&order.order_id)?;
     emit(&OutboxEvent {
         event_id: None,
         aggregate_type: "Order".into(),
@@ -183,6 +199,25 @@ fn reservation_failed(order: &OrderCreated, short: &Item) -> Result<(), HandlerE
         topic: "inventory.events".into(),
         partition_key: Some(order.order_id.clone()),
     })?;
+    Ok(())
+}
+
+/// Gives the order's reserved stock back and forgets its reservations; a second release
+/// finds none. The product rows are locked first, in id order, as reservations take them, so
+/// a release and a reservation that share products never wait for each other in a cycle.
+fn release(order_id: &str) -> Result<(), HandlerError> {
+    let order = [SqlValue::Text(order_id.into())];
+    query(
+        "SELECT id FROM products WHERE id IN (SELECT product_id FROM reservations WHERE order_id = $1) \
+         ORDER BY id FOR UPDATE",
+        &order,
+    )?;
+    execute(
+        "UPDATE products p SET reserved_quantity = p.reserved_quantity - r.quantity, updated_at = now() \
+         FROM reservations r WHERE r.order_id = $1 AND r.product_id = p.id",
+        &order,
+    )?;
+    execute("DELETE FROM reservations WHERE order_id = $1", &order)?;
     Ok(())
 }
 

@@ -1,9 +1,13 @@
 //! The seed's CreateOrder handler as an OBX plugin: it inserts the order and, in the same
 //! transaction, emits OrderCreated through the outbox (aggregate `Order`, topic
 //! `order.events`, partition key = the order id).
+//!
+//! It follows the payment saga (payment.events): PaymentConfirmed marks a pending order
+//! `paid`, PaymentTimedOut marks it `cancelled`. `GetOrder` shows an order's status.
 
 use obx_sdk::{
-    emit, invalid, query, reject, Command, Event, Guest, HandlerError, Manifest, Migration, OutboxEvent, SqlValue,
+    emit, execute, invalid, query, reject, Command, DeliveryMode, Event, Guest, HandlerError, Manifest, Migration,
+    OutboxEvent, SqlValue, Subscription,
 };
 use serde::{Deserialize, Serialize};
 
@@ -44,11 +48,27 @@ impl Guest for Orders {
             include_str!("../../contracts/OrderCreated.schema.json"),
             Some(include_str!("../../contracts/OrderCreated.example.json")),
         );
+        obx_sdk::declare_payload(
+            "payment.events",
+            "PaymentConfirmed",
+            include_str!("../../contracts/PaymentConfirmed.schema.json"),
+            Some(include_str!("../../contracts/PaymentConfirmed.example.json")),
+        );
+        obx_sdk::declare_payload(
+            "payment.events",
+            "PaymentTimedOut",
+            include_str!("../../contracts/PaymentTimedOut.schema.json"),
+            Some(include_str!("../../contracts/PaymentTimedOut.example.json")),
+        );
         Manifest {
             name: "orders".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            commands: vec!["CreateOrder".into()],
-            subscriptions: vec![],
+            commands: vec!["CreateOrder".into(), "GetOrder".into()],
+            subscriptions: vec![Subscription {
+                topic: "payment.events".into(),
+                event_types: vec!["PaymentConfirmed".into(), "PaymentTimedOut".into()],
+                mode: DeliveryMode::Dedup,
+            }],
             emits: obx_sdk::emits("order.events", &["OrderCreated"]),
             migrations: vec![Migration {
                 id: 1,
@@ -61,13 +81,51 @@ impl Guest for Orders {
     fn handle_command(command: Command) -> Result<String, HandlerError> {
         match command.name.as_str() {
             "CreateOrder" => create_order(&command.payload),
+            "GetOrder" => get_order(&command.payload),
             other => Err(invalid(format!("unknown command {other}"))),
         }
     }
 
-    fn handle_event(_event: Event) -> Result<(), HandlerError> {
+    /// The saga's outcome for the order: paid, or cancelled (its stock is released by
+    /// inventory, on the same event). Only a pending order changes.
+    fn handle_event(event: Event) -> Result<(), HandlerError> {
+        let status = match event.event_type.as_str() {
+            "PaymentConfirmed" => "paid",
+            "PaymentTimedOut" => "cancelled",
+            _ => return Ok(()),
+        };
+        let p: serde_json::Value = serde_json::from_str(&event.payload).map_err(|e| invalid(e.to_string()))?;
+        let id = p["orderId"].as_str().ok_or_else(|| invalid("no orderId"))?;
+        if uuid_shaped(id) {
+            execute(
+                "UPDATE orders SET status = $2 WHERE id = $1 AND status = 'pending'",
+                &[SqlValue::Uuid(id.into()), SqlValue::Text(status.into())],
+            )?;
+        }
         Ok(())
     }
+}
+
+fn get_order(payload: &str) -> Result<String, HandlerError> {
+    let p: serde_json::Value = serde_json::from_str(payload).map_err(|e| invalid(e.to_string()))?;
+    let id = p["orderId"].as_str().filter(|id| uuid_shaped(id));
+    let id = id.ok_or_else(|| invalid("orderId is an order's UUID"))?;
+    let rows = query(
+        "SELECT status, amount FROM orders WHERE id = $1",
+        &[SqlValue::Uuid(id.into())],
+    )?;
+    let status = rows.value(0, "status").and_then(SqlValue::as_str);
+    let amount = rows.value(0, "amount").and_then(SqlValue::as_str);
+    Ok(serde_json::json!({ "orderId": id, "status": status, "amount": amount }).to_string())
+}
+
+/// Whether `id` has the shape of a UUID (the `orders.id` type); anything else names no order.
+fn uuid_shaped(id: &str) -> bool {
+    id.len() == 36
+        && id.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
 }
 
 fn create_order(payload: &str) -> Result<String, HandlerError> {
