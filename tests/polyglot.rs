@@ -8,6 +8,44 @@ use std::time::Duration;
 use obx_tests::{admin_url, eventually, plugin, spawn_host};
 use serde_json::json;
 
+/// The payment saga's compensation reaches the Python plugin: an order whose payment deadline
+/// passes has its shipment cancelled, as inventory releases its stock and orders cancels it.
+#[tokio::test]
+async fn a_timed_out_payment_cancels_the_shipment_in_python() {
+    let host = spawn_host(&["orders", "inventory", "payments", "shipping", "notifications"]).await;
+    for (plugin, command, body) in [
+        ("payments", "SetPaymentDeadline", json!({ "deadlineMs": 1000 })),
+        ("inventory", "AddStock", json!({ "productId": "p-8", "quantity": 5 })),
+    ] {
+        let a = host.command(plugin, command, body).await;
+        assert_eq!(a.status, 200, "{}", a.text);
+    }
+    let order = host
+        .command(
+            "orders",
+            "CreateOrder",
+            json!({ "customerId": "c-8", "amount": 5, "items": [{ "productId": "p-8", "quantity": 2 }] }),
+        )
+        .await;
+    assert_eq!(order.status, 200, "{}", order.text);
+    let id = order.body["orderId"].as_str().unwrap().to_string();
+    eventually(
+        Duration::from_secs(60),
+        "the order compensated in every plugin",
+        || async {
+            let shipment = host.command("shipping", "GetShipment", json!({ "orderId": id })).await;
+            let order = host.command("orders", "GetOrder", json!({ "orderId": id })).await;
+            let stock = host
+                .command("inventory", "GetStock", json!({ "productId": "p-8" }))
+                .await;
+            shipment.body["status"] == "cancelled" && order.body["status"] == "cancelled" && stock.body["reserved"] == 0
+        },
+    )
+    .await;
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn python_and_javascript_plugins_take_part_in_the_chain() {
     let host = spawn_host(&["orders", "inventory", "payments", "shipping", "notifications"]).await;

@@ -1,7 +1,10 @@
-"""Schedules shipments for paid orders: an OBX plugin in Python (componentize-py).
+"""Schedules shipments for orders awaiting payment: an OBX plugin in Python (componentize-py).
 
 PaymentRequested (payment.events, dedup) -> a `shipments` row and ShipmentScheduled
 (shipping.events, key = the order id), in the event's transaction.
+PaymentTimedOut (payment.events, dedup) -> the shipment is cancelled: the payment saga's
+compensation, here. Both events have the order id as their key, so the timeout never
+arrives before the request.
 Command GetShipment {"orderId"} -> the shipment.
 """
 
@@ -25,7 +28,7 @@ CREATE TABLE shipments (
 # The contract of the event it emits: emit holds its payloads to it; obx catalog shows it.
 SHIPMENT_SCHEDULED = {
     "title": "ShipmentScheduled",
-    "description": "A paid order's shipment was scheduled. Emitted by shipping on shipping.events, keyed by the order id.",
+    "description": "An order's shipment was scheduled, to go once its payment is confirmed (it is cancelled if the payment times out). Emitted by shipping on shipping.events, keyed by the order id.",
     "type": "object",
     "required": ["orderId", "carrier"],
     "properties": {
@@ -73,7 +76,7 @@ class Handler(exports.Handler):
             subscriptions=[
                 handler.Subscription(
                     topic="payment.events",
-                    event_types=["PaymentRequested"],
+                    event_types=["PaymentRequested", "PaymentTimedOut"],
                     mode=handler.DeliveryMode.DEDUP,
                 )
             ],
@@ -102,7 +105,15 @@ class Handler(exports.Handler):
             payment = json.loads(event.payload)
             order_id = str(payment["orderId"])
         except (ValueError, KeyError, TypeError):
-            raise invalid("PaymentRequested needs an orderId")
+            raise invalid(f"{event.event_type} needs an orderId")
+        if event.event_type == "PaymentTimedOut":
+            run_sql(
+                "UPDATE shipments SET status = 'cancelled' WHERE order_id = $1 AND status = 'scheduled' "
+                "RETURNING order_id",
+                [types.SqlValue_Text(order_id)],
+            )
+            log.log(log.Level.INFO, f"shipment for order {order_id} cancelled: its payment timed out")
+            return
         carrier = carrier_for(order_id)
         inserted = run_sql(
             "INSERT INTO shipments (order_id, carrier) VALUES ($1, $2) "
