@@ -296,7 +296,7 @@ async fn plugins_are_listed_with_their_manifest() {
     let orders = plugins.iter().find(|p| p["name"] == "orders").expect("orders listed");
     assert_eq!(orders["state"], "active");
     assert_eq!(orders["version"], "0.1.0");
-    assert_eq!(orders["commands"], json!(["CreateOrder"]));
+    assert_eq!(orders["commands"], json!(["CreateOrder", "GetOrder"]));
     assert_eq!(orders["sha256"].as_str().unwrap().len(), 64);
     host.shutdown().await;
 }

@@ -579,6 +579,60 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
     host.shutdown().await;
 }
 
+/// A handler that returns `ok` but breaks a deferred constraint: its batch's commit is
+/// refused. The events go one at a time, the refusal counts as that event's failed attempt,
+/// and it is parked with its key; the rest commit once. (It was taken for the database being
+/// away, and retried for ever without counting.)
+async fn a_refused_commit_parks_its_event(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let p = producer(&broker.bootstrap);
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for seq in 1..=6 {
+        let payload = json!({ "seq": seq, "defer_violation": seq == 4 });
+        a.push(send_event(&p, &topic, "A", "Thing", &payload).await);
+        b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
+    }
+    let host = next_host(&broker, first, |c| {
+        c.consumer.lanes = 1;
+        c.consumer.max_attempts = 2;
+    })
+    .await;
+    eventually(Duration::from_secs(30), "key B flows, A4 is parked", || async {
+        let mut done = host
+            .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 1;
+        for id in b.iter().chain(&a[..3]) {
+            done &= effects(&host, *id).await == 1;
+        }
+        done
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (i, id) in a.iter().enumerate().skip(3) {
+        assert_eq!(effects(&host, *id).await, 0, "A{} ran although A4 is parked", i + 1);
+    }
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
+    assert_eq!(letters[0].event_id, a[3]);
+    assert!(letters[0].error.contains("commit was refused"), "{}", letters[0].error);
+    assert_each_effect_once(&host, 9).await;
+    assert_eq!(key_disorder(&host).await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_whose_commit_is_refused_is_parked_not_retried_for_ever() {
+    a_refused_commit_parks_its_event(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_whose_commit_is_refused_is_parked_not_retried_for_ever() {
+    a_refused_commit_parks_its_event(INBOX).await;
+}
+
 #[tokio::test]
 async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
     let broker = broker();

@@ -159,6 +159,7 @@ pub async fn start(config: Config) -> Result<Host> {
                 config: config.consumer.clone(),
                 wake: inbox.subscribe(),
                 shutdown: consumers_stopped.clone(),
+                one_at_a_time: Default::default(),
             };
             consumers.push(tokio::spawn(processor.run()));
         }

@@ -650,10 +650,13 @@ impl Lane {
                         tx,
                         emitted,
                         failed: None,
-                    } => {
-                        handling::commit(&self.dispatcher, tx, &emitted).await?;
-                        Ok(Step::Done)
-                    }
+                    } => match handling::commit(&self.dispatcher, tx, &emitted).await {
+                        Ok(()) => Ok(Step::Done),
+                        Err(e) => match handling::refused_commit(&e) {
+                            Some(failure) => Ok(Step::Failed(failure)),
+                            None => Err(e.into()),
+                        },
+                    },
                     Ran::Open {
                         tx,
                         failed: Some(failure),

@@ -40,6 +40,10 @@ pub struct Processor {
     pub config: ConsumerConfig,
     pub wake: watch::Receiver<u64>,
     pub shutdown: watch::Receiver<bool>,
+    /// Consumers whose last batch commit was refused for something a handler did (see
+    /// [`handling::refused_commit`]): they take one event at a time until a commit goes
+    /// through, so that the refusal names its event, which is retried and parked in the end.
+    pub one_at_a_time: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// What one step did.
@@ -119,7 +123,12 @@ impl Processor {
             return Ok(Outcome::Idle);
         };
         let mut tx = self.dispatcher.sessions.begin(consumer).await?;
-        let batch = claim(&mut tx, self.config.batch_max_events).await?;
+        let limit = if self.single(consumer) {
+            1
+        } else {
+            self.config.batch_max_events
+        };
+        let batch = claim(&mut tx, limit).await?;
         if batch.is_empty() {
             tx.rollback().await?;
             return Ok(Outcome::Idle);
@@ -147,10 +156,7 @@ impl Processor {
                 session: Some(poisoned),
             } => {
                 poisoned.abandon();
-                let mut again = self.dispatcher.sessions.begin(consumer).await?;
-                let park = self.record_failure(&mut again, consumer, fresh[at], &failure).await?;
-                again.commit().await?;
-                self.report_parked(consumer, fresh[at], park);
+                self.record_apart(consumer, fresh[at], &failure).await?;
                 return Ok(Outcome::Worked);
             }
         };
@@ -169,12 +175,54 @@ impl Processor {
             _ => None,
         };
         let handled = emitted.len();
-        handling::commit(&self.dispatcher, tx, &emitted).await?;
+        if let Err(e) = handling::commit(&self.dispatcher, tx, &emitted).await {
+            let Some(failure) = handling::refused_commit(&e) else {
+                return Err(e.into());
+            };
+            return self.commit_refused(consumer, &fresh, &failure).await;
+        }
+        if self.single(consumer) {
+            self.one_at_a_time
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(consumer);
+        }
         metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string()).increment(handled as u64);
         if let Some((claimed, park)) = parked {
             self.report_parked(consumer, claimed, park);
         }
         Ok(Outcome::Worked)
+    }
+
+    fn single(&self, consumer: &str) -> bool {
+        self.one_at_a_time
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(consumer)
+    }
+
+    /// The commit of a batch was refused for something a handler did. One event alone: its
+    /// attempt is recorded. Several: the consumer goes one event at a time, to find it.
+    async fn commit_refused(&self, consumer: &str, fresh: &[&Claimed], failure: &Failure) -> anyhow::Result<Outcome> {
+        if let [only] = fresh {
+            self.record_apart(consumer, only, failure).await?;
+        } else {
+            tracing::warn!(consumer, error = %failure.error, "an inbox batch's commit was refused; its events go one at a time");
+            self.one_at_a_time
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(consumer.to_string());
+        }
+        Ok(Outcome::Worked)
+    }
+
+    /// Records a failed attempt of `claimed` in a transaction of its own (the claim's is gone).
+    async fn record_apart(&self, consumer: &str, claimed: &Claimed, failure: &Failure) -> anyhow::Result<()> {
+        let mut again = self.dispatcher.sessions.begin(consumer).await?;
+        let park = self.record_failure(&mut again, consumer, claimed, failure).await?;
+        again.commit().await?;
+        self.report_parked(consumer, claimed, park);
+        Ok(())
     }
 
     /// Records a failed attempt in `tx`, under the row lock the claim took: a retry after a

@@ -184,6 +184,13 @@ impl Guest for Testbed {
                 SqlValue::Int(event.attempt.into()),
             ],
         )?;
+        // Breaks a deferred constraint: the handler returns `ok`, the violation shows at commit.
+        if p["defer_violation"] == true {
+            execute(
+                "INSERT INTO deferred (id) VALUES ($1), ($1)",
+                &[SqlValue::Text(event.event_id.clone())],
+            )?;
+        }
         if let Some(topic) = p["then"].as_str() {
             emit(&OutboxEvent {
                 event_id: None,
