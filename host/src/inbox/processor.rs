@@ -40,10 +40,11 @@ pub struct Processor {
     pub config: ConsumerConfig,
     pub wake: watch::Receiver<u64>,
     pub shutdown: watch::Receiver<bool>,
-    /// Consumers whose last batch commit was refused for something a handler did (see
-    /// [`handling::refused_commit`]): they take one event at a time until a commit goes
-    /// through, so that the refusal names its event, which is retried and parked in the end.
-    pub one_at_a_time: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Consumers whose batch commit was refused for something a handler did (see
+    /// [`handling::refused_commit`]), with how many more events each takes one at a time
+    /// (`consumer.batch_max_events`, as many as the refused batch could hold), so that the
+    /// refusal names its event, which is retried and parked in the end.
+    pub one_at_a_time: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
 
 /// What one step did.
@@ -181,11 +182,14 @@ impl Processor {
             };
             return self.commit_refused(consumer, &fresh, &failure).await;
         }
-        if self.single(consumer) {
-            self.one_at_a_time
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(consumer);
+        {
+            let mut single = self.lock_single();
+            if let Some(left) = single.get_mut(consumer) {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    single.remove(consumer);
+                }
+            }
         }
         metrics::counter!("obx_inbox_processed_total", "plugin" => consumer.to_string()).increment(handled as u64);
         if let Some((claimed, park)) = parked {
@@ -194,24 +198,23 @@ impl Processor {
         Ok(Outcome::Worked)
     }
 
+    fn lock_single(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, u32>> {
+        self.one_at_a_time.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn single(&self, consumer: &str) -> bool {
-        self.one_at_a_time
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(consumer)
+        self.lock_single().contains_key(consumer)
     }
 
     /// The commit of a batch was refused for something a handler did. One event alone: its
-    /// attempt is recorded. Several: the consumer goes one event at a time, to find it.
+    /// attempt is recorded. Several: the consumer's next events go one at a time, to find it.
     async fn commit_refused(&self, consumer: &str, fresh: &[&Claimed], failure: &Failure) -> anyhow::Result<Outcome> {
         if let [only] = fresh {
             self.record_apart(consumer, only, failure).await?;
         } else {
             tracing::warn!(consumer, error = %failure.error, "an inbox batch's commit was refused; its events go one at a time");
-            self.one_at_a_time
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(consumer.to_string());
+            self.lock_single()
+                .insert(consumer.to_string(), self.config.batch_max_events.max(1));
         }
         Ok(Outcome::Worked)
     }
