@@ -527,6 +527,26 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
     host.shutdown().await;
 }
 
+/// Waits until every event of key B and A1-A3 took effect once and one event is parked, then
+/// checks that A5 and A6 wait behind the parked A4, in the inbox.
+async fn a4_parked_while_b_flows(host: &TestHost, a: &[uuid::Uuid], b: &[uuid::Uuid]) {
+    eventually(Duration::from_secs(30), "key B flows, A4 is parked", || async {
+        let mut done = host
+            .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 1;
+        for id in b.iter().chain(&a[..3]) {
+            done &= effects(host, *id).await == 1;
+        }
+        done
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (i, id) in a.iter().enumerate().skip(3) {
+        assert_eq!(effects(host, *id).await, 0, "A{} ran although A4 is parked", i + 1);
+    }
+}
+
 #[tokio::test]
 async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with_its_key() {
     let broker = broker();
@@ -546,23 +566,7 @@ async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with
         c.consumer.max_attempts = 2;
     })
     .await;
-
-    eventually(Duration::from_secs(30), "key B flows, A4 is parked", || async {
-        let mut done = host
-            .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
-            .await
-            == 1;
-        for id in b.iter().chain(&a[..3]) {
-            done &= effects(&host, *id).await == 1;
-        }
-        done
-    })
-    .await;
-    // A4 is parked; A5 and A6 wait behind it, in the inbox.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    for (i, id) in a.iter().enumerate().skip(3) {
-        assert_eq!(effects(&host, *id).await, 0, "A{} ran although A4 is parked", i + 1);
-    }
+    a4_parked_while_b_flows(&host, &a, &b).await;
     let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
     assert_eq!((letters.len(), letters[0].waiting), (1, 2));
     assert_eq!(letters[0].attempts, 2);
@@ -599,21 +603,7 @@ async fn a_refused_commit_parks_its_event(logical: &str) {
         c.consumer.max_attempts = 2;
     })
     .await;
-    eventually(Duration::from_secs(30), "key B flows, A4 is parked", || async {
-        let mut done = host
-            .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
-            .await
-            == 1;
-        for id in b.iter().chain(&a[..3]) {
-            done &= effects(&host, *id).await == 1;
-        }
-        done
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    for (i, id) in a.iter().enumerate().skip(3) {
-        assert_eq!(effects(&host, *id).await, 0, "A{} ran although A4 is parked", i + 1);
-    }
+    a4_parked_while_b_flows(&host, &a, &b).await;
     let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
     assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
     assert_eq!(letters[0].event_id, a[3]);
