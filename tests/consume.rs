@@ -608,6 +608,16 @@ async fn a_refused_commit_parks_its_event(logical: &str) {
     assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
     assert_eq!(letters[0].event_id, a[3]);
     assert!(letters[0].error.contains("commit was refused"), "{}", letters[0].error);
+    // A late record of the same attempt (a second processor's, whose claim also lost its
+    // transaction) is dropped: still one dead letter (CI once saw two, and waited for one).
+    let mut session = host.plugin_session("testbed").await;
+    let late: bool = sqlx::query_scalar("SELECT obx_api.inbox_fail_attempt($1, 2, 'late', true, 0)")
+        .bind(a[3])
+        .fetch_one(&mut session)
+        .await
+        .unwrap();
+    assert!(!late, "{logical}: a parked event's attempt was recorded again");
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 1);
     assert_each_effect_once(&host, 9).await;
     assert_eq!(key_disorder(&host).await, 0);
     host.shutdown().await;

@@ -165,7 +165,8 @@ impl Processor {
         // the batch, of the same key, waits behind it.
         let parked = match (failed, fresh.get(emitted.len())) {
             (Some(failure), Some(claimed)) => {
-                let park = self.record_failure(&mut tx, consumer, claimed, &failure).await?;
+                // Under the claim's row lock: always recorded.
+                let park = self.record_failure(&mut tx, consumer, claimed, &failure).await? == Some(true);
                 let behind: Vec<Uuid> = fresh[emitted.len() + 1..].iter().map(|c| c.job.event_id).collect();
                 sqlx::query("SELECT obx_api.inbox_untake($1)")
                     .bind(&behind)
@@ -219,39 +220,46 @@ impl Processor {
         Ok(Outcome::Worked)
     }
 
-    /// Records a failed attempt of `claimed` in a transaction of its own (the claim's is gone).
+    /// Records a failed attempt of `claimed` in a transaction of its own (the claim's is gone,
+    /// so another processor may have claimed the event again since: then the attempt it
+    /// records, or its success, stands, and this one is dropped).
     async fn record_apart(&self, consumer: &str, claimed: &Claimed, failure: &Failure) -> anyhow::Result<()> {
         let mut again = self.dispatcher.sessions.begin(consumer).await?;
-        let park = self.record_failure(&mut again, consumer, claimed, failure).await?;
+        let recorded = self.record_failure(&mut again, consumer, claimed, failure).await?;
         again.commit().await?;
-        self.report_parked(consumer, claimed, park);
+        match recorded {
+            Some(park) => self.report_parked(consumer, claimed, park),
+            None => tracing::debug!(consumer, event_id = %claimed.job.event_id,
+                "the event moved on since its claim; this attempt is not recorded"),
+        }
         Ok(())
     }
 
-    /// Records a failed attempt in `tx`, under the row lock the claim took: a retry after a
-    /// backoff, or, past `consumer.max_attempts` or for a failure no retry can help, a dead
-    /// letter. Returns whether the event is parked.
+    /// Records a failed attempt in `tx`: a retry after a backoff, or, past
+    /// `consumer.max_attempts` or for a failure no retry can help, a dead letter. Returns
+    /// whether the event is parked, or `None` if it is no longer where its claim left it
+    /// (`obx_api.inbox_fail_attempt`; never under the claim's own row lock).
     async fn record_failure(
         &self,
         tx: &mut PluginTx,
         consumer: &str,
         claimed: &Claimed,
         failure: &Failure,
-    ) -> anyhow::Result<bool> {
+    ) -> anyhow::Result<Option<bool>> {
         let attempts = claimed.attempts as u32 + 1;
         tracing::warn!(consumer, event_id = %claimed.job.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
         let park = !failure.retriable || attempts >= self.config.max_attempts;
         let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
-        sqlx::query("SELECT obx_api.inbox_fail($1, $2, $3, $4, $5)")
+        let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_fail_attempt($1, $2, $3, $4, $5)")
             .bind(claimed.job.event_id)
             .bind(attempts as i32)
             .bind(&failure.error)
             .bind(park)
             .bind(delay.as_secs_f64())
-            .execute(&mut **tx)
+            .fetch_one(&mut **tx)
             .await?;
-        Ok(park)
+        Ok(recorded.then_some(park))
     }
 
     /// Once a parking committed: the metric and the log line.
