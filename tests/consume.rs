@@ -549,13 +549,27 @@ async fn a4_parked_while_b_flows(host: &TestHost, a: &[uuid::Uuid], b: &[uuid::U
 
 #[tokio::test]
 async fn a_batch_around_a_poison_event_commits_the_others_once_and_parks_it_with_its_key() {
+    poison_in_a_batch(json!(true)).await;
+}
+
+/// A dedup batch takes no savepoint per event: a handler that wrote its effect and then
+/// failed rolls the whole batch back, so its write never commits, and the events before it,
+/// done again, commit once.
+#[tokio::test]
+async fn a_handler_that_fails_after_writing_in_a_batch_commits_nothing_and_the_others_once() {
+    poison_in_a_batch(json!("after-effect")).await;
+}
+
+/// Six events of key A, the fourth poisoned as `poison` says, between twelve of key B, all
+/// in one lane's batches.
+async fn poison_in_a_batch(poison: serde_json::Value) {
     let broker = broker();
     let (first, topic) = not_consuming(&broker, DEDUP).await;
     let p = producer(&broker.bootstrap);
     let mut a = Vec::new();
     let mut b = Vec::new();
     for seq in 1..=6 {
-        let poison = seq == 4;
+        let poison = if seq == 4 { poison.clone() } else { json!(false) };
         a.push(send_event(&p, &topic, "A", "Thing", &json!({ "seq": seq, "poison": poison })).await);
         b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + 2 * seq })).await);
         b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 101 + 2 * seq })).await);

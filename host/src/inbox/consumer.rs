@@ -21,7 +21,7 @@ use uuid::Uuid;
 /// Message bytes (KiB) a consumer holds in its lanes at most.
 const IN_FLIGHT_KIB: usize = 64 * 1024;
 
-use super::handling::{self, Failure, Job, Ran};
+use super::handling::{self, Failure, Job, Ran, Undo};
 use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
 use super::{backoff, Incoming};
@@ -478,24 +478,27 @@ impl Lane {
     }
 
     /// Dedup mode, batched: the events of `run` in one transaction on the plugin's session,
-    /// each behind a savepoint of its own, their outbox rows written just before the one
-    /// commit. Stops at the first event that cannot be done here: one whose handler failed
-    /// (rolled back to its savepoint alone; its failure is returned, for the one-at-a-time
-    /// path to retry or park), or whose key is parked. Returns how many leading events
-    /// committed; after a database error, none.
+    /// their outbox rows written just before the one commit, with no savepoint between them:
+    /// handlers fail rarely, and a savepoint per event costs a round trip and a Postgres
+    /// subtransaction. Stops at the first event that cannot be done here: one whose key is
+    /// parked, or whose handler failed. A failed handler rolls the whole batch back; the
+    /// events before it are then done again in a batch of their own, and its failure is
+    /// returned, for the one-at-a-time path to retry or park it. Returns how many leading
+    /// events committed; after a database error, none.
     async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Option<Failure>) {
         let Some(plugin) = self.registry.get(&self.plugin) else {
             return (0, None);
         };
         match self.batch(&plugin, run).await {
             Ok(Batch::Committed(n, failure)) => (n, failure),
-            // The transaction was lost with event `n`: the events before it are done again,
-            // without it; it goes on alone.
-            Ok(Batch::Lost(n, failure)) if n > 0 => match self.batch(&plugin, &run[..n]).await {
+            // Nothing committed: the handler of event `n` failed, or the transaction was
+            // lost with it. It goes on alone, this attempt counted; the events before it
+            // are done again first, without it.
+            Ok(Batch::Undone(0, failure)) => (0, Some(failure)),
+            Ok(Batch::Undone(n, failure)) => match self.batch(&plugin, &run[..n]).await {
                 Ok(Batch::Committed(done, None)) if done == n => (n, Some(failure)),
                 _ => (0, None),
             },
-            Ok(Batch::Lost(..)) => (0, None),
             Err(e) => {
                 tracing::warn!(plugin = %self.plugin, error = %e, "a batch failed; its events go one at a time");
                 (0, None)
@@ -511,7 +514,7 @@ impl Lane {
             return Ok(Batch::Committed(run.len(), None));
         }
         let mut tx = self.dispatcher.sessions.begin(&self.plugin).await?;
-        // One statement records the run's new events as processed, before any savepoint;
+        // One statement records the run's new events as processed, before any handler runs;
         // the records of events that end up not run are given back before the commit.
         let begun = begin_events(&mut tx, &events).await?;
         // The batch takes the events up to the first whose key is parked; of those, it
@@ -528,8 +531,10 @@ impl Lane {
         // The messages settled by this batch end at the first event not done.
         let settled = |stop: usize| positions.get(stop).copied().unwrap_or(run.len());
         let to_run: Vec<&Job> = jobs.iter().map(|(_, j)| j).collect();
-        match handling::run(&self.dispatcher, plugin, tx, &to_run).await? {
-            Ran::Lost { at, failure, .. } => Ok(Batch::Lost(settled(jobs[at].0), failure)),
+        match handling::run(&self.dispatcher, plugin, tx, &to_run, Undo::Transaction).await? {
+            Ran::Lost { at, failure, .. } | Ran::RolledBack { at, failure } => {
+                Ok(Batch::Undone(settled(jobs[at].0), failure))
+            }
             Ran::Open {
                 mut tx,
                 emitted,
@@ -645,7 +650,8 @@ impl Lane {
                     return Ok(Step::Done);
                 }
                 let job = Job::of(event, attempt);
-                match handling::run(&self.dispatcher, &plugin, tx, &[&job]).await? {
+                // One event: its failure rolls back everything anyway.
+                match handling::run(&self.dispatcher, &plugin, tx, &[&job], Undo::Transaction).await? {
                     Ran::Open {
                         tx,
                         emitted,
@@ -665,7 +671,7 @@ impl Lane {
                         let _ = tx.rollback().await;
                         Ok(Step::Failed(failure))
                     }
-                    Ran::Lost { failure, .. } => Ok(Step::Failed(failure)),
+                    Ran::Lost { failure, .. } | Ran::RolledBack { failure, .. } => Ok(Step::Failed(failure)),
                 }
             };
             match step.await {
@@ -765,9 +771,9 @@ enum Batch {
     /// Its first `n` messages committed; the failure of the next one's handler, if that is
     /// why it stopped there.
     Committed(usize, Option<Failure>),
-    /// The transaction was lost with the handler of message `n` (a call killed while its
-    /// statement ran): nothing committed.
-    Lost(usize, Failure),
+    /// Nothing committed: the handler of message `n` failed, or the transaction was lost
+    /// with it (a call killed while its statement ran).
+    Undone(usize, Failure),
 }
 
 /// Records the events of a batch as processed in `tx`, through `obx_api.begin_events`, in one

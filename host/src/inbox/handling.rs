@@ -1,11 +1,13 @@
 //! The one path every consumed event takes to its handler, in dedup mode and in inbox mode
 //! alike. A caller opens a transaction on the plugin's session and records there which
 //! events it takes (dedup records, or an inbox claim); then [`run`] hands the events to the
-//! handler in order, each behind a savepoint of its own, and stops at the first whose
-//! handler fails, rolled back to its savepoint alone. The caller records what that failure
-//! means (a retry later, or a dead letter: `obx.park_event`, in either mode), and
-//! [`commit`]s: the outbox rows of the handled events are written just before the commit, as
-//! a single command's are, so outbox id order stays commit order.
+//! handler in order and stops at the first whose handler fails. What that failure undoes is
+//! the caller's choice ([`Undo`]): the event alone, rolled back to a savepoint taken before
+//! it, or the whole transaction, when the caller would rather do the events before it again
+//! than pay for a savepoint per event. The caller records what the failure means (a retry
+//! later, or a dead letter: `obx.park_event`, in either mode), and [`commit`]s: the outbox
+//! rows of the handled events are written just before the commit, as a single command's
+//! are, so outbox id order stays commit order.
 
 use sqlx::Executor as _;
 use uuid::Uuid;
@@ -93,6 +95,18 @@ pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     }
 }
 
+/// What a failed handler undoes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Undo {
+    /// Its own event only: each event runs behind a savepoint, and a failure rolls back to
+    /// it. The transaction stays open for the events before it.
+    Event,
+    /// The whole transaction: no savepoints (each costs a round trip, and a subtransaction
+    /// in Postgres), and a failure rolls everything back. For callers that can do the
+    /// events before the failed one again, in a new transaction.
+    Transaction,
+}
+
 /// How a run of handlers ended.
 pub(crate) enum Ran {
     /// The transaction is open. The handlers of the first `emitted.len()` jobs succeeded;
@@ -110,15 +124,19 @@ pub(crate) enum Ran {
         failure: Failure,
         session: Option<PluginTx>,
     },
+    /// [`Undo::Transaction`]: the handler of job `at` failed, and the transaction was
+    /// rolled back, with the work of the jobs before it and all the caller's records.
+    RolledBack { at: usize, failure: Failure },
 }
 
-/// Runs the handlers of `jobs` in order in `tx`, each behind a savepoint, up to the first
-/// that fails.
+/// Runs the handlers of `jobs` in order in `tx` up to the first that fails, which undoes
+/// what `undo` says.
 pub(crate) async fn run(
     dispatcher: &Dispatcher,
     plugin: &Plugin,
     mut tx: PluginTx,
     jobs: &[&Job],
+    undo: Undo,
 ) -> sqlx::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
     for (at, job) in jobs.iter().enumerate() {
@@ -135,8 +153,10 @@ pub(crate) async fn run(
                 failed: Some(failure),
             });
         }
-        // Nested savepoints of one name: a rollback to it undoes this event alone.
-        tx.execute("SAVEPOINT obx_event").await?;
+        if undo == Undo::Event {
+            // Nested savepoints of one name: a rollback to it undoes this event alone.
+            tx.execute("SAVEPOINT obx_event").await?;
+        }
         match dispatcher
             .call_event(plugin, tx, job.event.clone(), job.parent.as_ref())
             .await
@@ -151,6 +171,10 @@ pub(crate) async fn run(
                     retriable: f.retriable,
                 };
                 return Ok(match f.tx.take() {
+                    Some(back) if !back.is_poisoned() && undo == Undo::Transaction => {
+                        back.rollback().await?;
+                        Ran::RolledBack { at, failure }
+                    }
                     Some(mut back) if !back.is_poisoned() => {
                         back.execute("ROLLBACK TO SAVEPOINT obx_event").await?;
                         Ran::Open {

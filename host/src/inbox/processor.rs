@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::backoff;
-use super::handling::{self, EventFields, Failure, Job, Ran};
+use super::handling::{self, EventFields, Failure, Job, Ran, Undo};
 use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::Dispatcher;
@@ -142,13 +142,15 @@ impl Processor {
             &plugin,
             tx,
             &fresh.iter().map(|c| &c.job).collect::<Vec<_>>(),
+            Undo::Event,
         )
         .await?
         {
             Ran::Open { tx, emitted, failed } => (tx, emitted, failed),
             // The transaction is gone, and the row locks with it: what it did is undone,
             // and the next claims retry it.
-            Ran::Lost { session: None, .. } => return Ok(Outcome::Worked),
+            // (`Undo::Event` never rolls back the transaction.)
+            Ran::Lost { session: None, .. } | Ran::RolledBack { .. } => return Ok(Outcome::Worked),
             // The session was abandoned mid-result: record the attempt on a fresh one, so
             // that the event is parked in the end like any other.
             Ran::Lost {

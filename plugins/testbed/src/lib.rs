@@ -161,7 +161,8 @@ impl Guest for Testbed {
     }
 
     /// Records one row in `effects` per event it takes effect on. The payload may ask it to
-    /// fail (`"poison": true`), to reject (`"reject": true`), or to emit a follow-up event to
+    /// fail (`"poison": true`; `"poison": "after-effect"` fails after writing its effect, which
+    /// must then not commit), to reject (`"reject": true`), or to emit a follow-up event to
     /// the topic in `"then"`.
     fn handle_event(event: Event) -> Result<(), HandlerError> {
         let p: Value = serde_json::from_str(&event.payload).map_err(|e| invalid(e.to_string()))?;
@@ -184,6 +185,12 @@ impl Guest for Testbed {
                 SqlValue::Int(event.attempt.into()),
             ],
         )?;
+        if p["poison"] == "after-effect" {
+            return Err(HandlerError::Failed(format!(
+                "poisoned event, failed after its effect, attempt {}",
+                event.attempt
+            )));
+        }
         // Breaks a deferred constraint: the handler returns `ok`, the violation shows at commit.
         if p["defer_violation"] == true {
             execute(
