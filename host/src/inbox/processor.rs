@@ -6,18 +6,22 @@
 //!    `FOR UPDATE SKIP LOCKED`, and the unprocessed events of its key after it, up to
 //!    `consumer.batch_max_events`, and in the same statement marks them processed
 //!    (`processed`, `processed_at`, `processed_event`);
-//! 2. runs the plugin's handler on each in order, behind a savepoint, inside that
-//!    transaction, which holds the row locks throughout (the seed's sample takes the lock
-//!    outside any transaction: not here);
+//! 2. runs the plugin's handler on each in order inside that transaction, which holds the
+//!    row locks throughout (the seed's sample takes the lock outside any transaction: not
+//!    here);
 //! 3. writes the events' outbox rows and commits.
 //!
 //! Any number of processors, on any number of hosts, can run at once: the row lock keeps
 //! two of them off one event, and "oldest of its key" keeps a key's events in order (a batch
-//! holds its key's oldest event, so nobody else can start on that key). A failed handler is
-//! rolled back to its savepoint, its event is marked unprocessed with its attempt recorded,
-//! and the events behind it are marked unprocessed again, under the row locks, in the same
-//! transaction; the events before it commit. The event is retried with backoff, and after
-//! `consumer.max_attempts` it is parked with a dead letter, holding its key.
+//! holds its key's oldest event, so nobody else can start on that key). A batch of several
+//! events runs first with no savepoint between them (each costs a round trip and a Postgres
+//! subtransaction, and handlers fail rarely); if a handler fails, the whole batch is rolled
+//! back, nothing of that run counts, and the processor takes a batch again with a savepoint
+//! per event. There, a failed handler is rolled back to its savepoint, its event is marked
+//! unprocessed with its attempt recorded, and the events behind it are marked unprocessed
+//! again, under the row locks, in the same transaction; the events before it commit. The
+//! event is retried with backoff, and after `consumer.max_attempts` it is parked with a dead
+//! letter, holding its key.
 
 use std::sync::Arc;
 
@@ -53,6 +57,9 @@ enum Outcome {
     Worked,
     /// Nothing may run now.
     Idle,
+    /// A handler failed in a batch without savepoints, and the batch was rolled back: take
+    /// one again, with a savepoint per event.
+    Undone,
 }
 
 struct Claimed {
@@ -78,7 +85,7 @@ impl Processor {
                 failures = 0;
             }
             let pause = match step {
-                Ok(Outcome::Worked) => continue,
+                Ok(Outcome::Worked | Outcome::Undone) => continue,
                 Ok(Outcome::Idle) => self.config.inbox_poll_interval,
                 Err(e) => {
                     tracing::warn!(error = %e, "inbox processor step failed");
@@ -116,10 +123,22 @@ impl Processor {
     }
 
     /// Events of one key of `consumer`, up to `consumer.batch_max_events`, in one
-    /// transaction on the plugin's own session, each behind a savepoint. The first whose
-    /// handler fails is rolled back to its savepoint, its attempt is recorded under its row
-    /// lock, the events behind it go back to wait, and the batch commits with them.
+    /// transaction on the plugin's own session: first with no savepoints, and if a handler
+    /// fails, again with a savepoint per event (see the module's documentation).
     async fn step_for(&self, consumer: &str) -> anyhow::Result<Outcome> {
+        match self.take(consumer, Undo::Transaction).await? {
+            Outcome::Undone => self.take(consumer, Undo::Event).await,
+            done => Ok(done),
+        }
+    }
+
+    /// One batch of `consumer`'s events, in one transaction. A batch of one event, or any
+    /// batch with [`Undo::Event`], runs each event behind a savepoint: the first whose
+    /// handler fails is rolled back to it, its attempt is recorded under its row lock, the
+    /// events behind it go back to wait, and the batch commits with them. With
+    /// [`Undo::Transaction`] a failed handler rolls the batch back whole
+    /// ([`Outcome::Undone`]), claims and all, and records nothing.
+    async fn take(&self, consumer: &str, undo: Undo) -> anyhow::Result<Outcome> {
         let Some(plugin) = self.registry.get(consumer) else {
             return Ok(Outcome::Idle);
         };
@@ -137,20 +156,25 @@ impl Processor {
         // Already marked processed, with the row still locked; an event in processed_event
         // already (a dedup-mode delivery) is not handled again.
         let fresh: Vec<&Claimed> = batch.iter().filter(|c| c.fresh).collect();
+        let undo = if fresh.len() > 1 { undo } else { Undo::Event };
         let (mut tx, emitted, failed) = match handling::run(
             &self.dispatcher,
             &plugin,
             tx,
             &fresh.iter().map(|c| &c.job).collect::<Vec<_>>(),
-            Undo::Event,
+            undo,
         )
         .await?
         {
             Ran::Open { tx, emitted, failed } => (tx, emitted, failed),
             // The transaction is gone, and the row locks with it: what it did is undone,
             // and the next claims retry it.
-            // (`Undo::Event` never rolls back the transaction.)
-            Ran::Lost { session: None, .. } | Ran::RolledBack { .. } => return Ok(Outcome::Worked),
+            Ran::Lost { session: None, .. } => return Ok(Outcome::Worked),
+            Ran::RolledBack { at, failure } => {
+                tracing::debug!(consumer, event_id = %fresh[at].job.event_id, error = %failure.error,
+                    "a handler failed in a batch without savepoints; taking it again with them");
+                return Ok(Outcome::Undone);
+            }
             // The session was abandoned mid-result: record the attempt on a fresh one, so
             // that the event is parked in the end like any other.
             Ran::Lost {
