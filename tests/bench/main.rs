@@ -30,6 +30,7 @@ use serde_json::json;
 use sqlx::PgPool;
 
 mod chart;
+mod cpu;
 mod profile;
 
 /// What the suites print, kept for the report.
@@ -991,28 +992,39 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
     let truncate = format!("TRUNCATE \"{schema}\".orders, obx.outbox_event CASCADE");
 
     sqlx::query(&truncate).execute(&pool).await?;
+    let cpu = cpu::Cpu::now();
     let pgbench = run_pgbench(&env, &url, (&role, &password), clients, duration).await?;
+    let pgbench_cpu = cpu.per_command((pgbench * duration.as_secs_f64()) as u64);
     sqlx::query(&truncate).execute(&pool).await?;
-    let native = native_orders(&host, clients, duration, profile::counter()).await?;
+    let (native, native_cpu) = with_cpu(|done| native_orders(&host, clients, duration, done)).await?;
     sqlx::query(&truncate).execute(&pool).await?;
-    let wasm = wasm_orders(&host, clients, duration, profile::counter()).await?;
+    let (wasm, wasm_cpu) = with_cpu(|done| wasm_orders(&host, clients, duration, done)).await?;
     host.shutdown().await?;
 
     out!("## Command throughput: CreateOrder, {clients} concurrent callers, {duration:?} each, no HTTP\n");
-    out!("| | commands/s | ratio to pgbench |");
-    out!("| --- | ---: | ---: |");
-    out!("| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 |");
+    out!("| | commands/s | ratio to pgbench | CPU per command, every CPU, µs | of it the host process, µs |");
+    out!("| --- | ---: | ---: | ---: | ---: |");
     out!(
-        "| native Rust handler, the host's transaction shape | {native:.0} | {:.2} |",
-        native / pgbench
+        "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | {:.0} | |",
+        pgbench_cpu.machine
     );
     out!(
-        "| Wasm handler (orders plugin) through the dispatcher | {wasm:.0} | {:.2} |",
-        wasm / pgbench
+        "| native Rust handler, the host's transaction shape | {native:.0} | {:.2} | {:.0} | {:.0} |",
+        native / pgbench,
+        native_cpu.machine,
+        native_cpu.host
     );
     out!(
-        "\nThe cost of Wasm is the gap between the last two rows: {:.0} % of the native rate.\n",
-        (1.0 - wasm / native) * 100.0
+        "| Wasm handler (orders plugin) through the dispatcher | {wasm:.0} | {:.2} | {:.0} | {:.0} |",
+        wasm / pgbench,
+        wasm_cpu.machine,
+        wasm_cpu.host
+    );
+    out!(
+        "\nThe cost of Wasm is the gap between the last two rows: {:.0} % of the native rate, \
+         {:.0} µs of the host's CPU per command.\n",
+        (1.0 - wasm / native) * 100.0,
+        wasm_cpu.host - native_cpu.host
     );
     compare(chart::Comparison::new(
         "commands",
@@ -1022,6 +1034,18 @@ async fn commands(duration: Duration, clients: usize) -> Result<()> {
         vec![("native Rust handler".into(), native), ("Wasm handler".into(), wasm)],
     ));
     Ok(())
+}
+
+/// Runs `suite` with a fresh command counter; its rate, and the CPU each command cost.
+async fn with_cpu<F, Fut>(suite: F) -> Result<(f64, cpu::PerCommand)>
+where
+    F: FnOnce(Arc<AtomicU64>) -> Fut,
+    Fut: std::future::Future<Output = Result<f64>>,
+{
+    let done = profile::counter();
+    let cpu = cpu::Cpu::now();
+    let rate = suite(done.clone()).await?;
+    Ok((rate, cpu.per_command(done.load(Ordering::Relaxed))))
 }
 
 /// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
