@@ -246,6 +246,38 @@ async fn concurrent_requests_with_one_key_run_the_handler_once() {
     );
 }
 
+/// Sessions are not pinged before a call: when every session of a plugin has ended (a server
+/// restart, an operator), the next calls still find a live one, however many were pooled.
+#[tokio::test]
+async fn when_every_pooled_session_has_ended_the_next_commands_still_run() {
+    let host = std::sync::Arc::new(spawn_host(&["testbed"]).await);
+    let slow = json!({ "id": "s", "sql": "SELECT count(*) FROM generate_series(1, 2000000)" });
+    let busy: Vec<_> = (0..10)
+        .map(|_| {
+            let (host, slow) = (host.clone(), slow.clone());
+            tokio::spawn(async move { host.command("testbed", "sql", slow).await.status })
+        })
+        .collect();
+    for task in busy {
+        assert_eq!(task.await.unwrap(), 200);
+    }
+    let role = host.plugin_role("testbed").await;
+    let pooled = format!("SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}'");
+    assert!(host.count(&pooled).await >= 5, "the calls ran on several sessions");
+    let ended = host
+        .count(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE usename = '{role}'"
+        ))
+        .await;
+    assert!(ended >= 5, "{ended} sessions ended");
+    for i in 0..3 {
+        let answer = host
+            .command("testbed", "ok", json!({ "id": format!("after-{i}") }))
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+}
+
 #[tokio::test]
 async fn http_errors_have_stable_codes() {
     let host = spawn_host(&["testbed"]).await;

@@ -117,6 +117,10 @@ impl Sessions {
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .min_connections(0)
+            // No ping before each call: it cost a round trip per call, and the call's
+            // `BEGIN` finds a session whose backend is gone anyway (`try_begin` then tries
+            // another). Host CPU per command -13 µs native, -26 µs Wasm.
+            .test_before_acquire(false)
             .idle_timeout(Duration::from_secs(60))
             .acquire_timeout(self.acquire_timeout)
             .connect_lazy_with(options);
@@ -187,7 +191,10 @@ impl Sessions {
             .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), pool.clone()))
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
         let mut last_gone = None;
-        for _ in 0..BEGIN_ATTEMPTS {
+        // Sessions are not pinged before use, so after a server restart every idle one is
+        // gone: enough tries to get past all of them to a new one.
+        let (mut tampered_left, mut gone_left) = (BEGIN_ATTEMPTS, self.max_connections as usize + 1);
+        while tampered_left > 0 && gone_left > 0 {
             let mut conn = pool.acquire().await?;
             // A plain string goes over the simple protocol: every statement in one round trip.
             let row = (&mut *conn).fetch_one(BEGIN).await.and_then(|row| {
@@ -211,6 +218,7 @@ impl Sessions {
                 Ok(_) => {
                     tampered(&role, "SQL made prepared statements on it");
                     conn.close_on_drop();
+                    tampered_left -= 1;
                 }
                 // A pooled session whose backend is gone (terminated, or the server
                 // restarted; a check before it was handed out can race the backend's exit):
@@ -218,6 +226,7 @@ impl Sessions {
                 Err(e) if session_gone(&e) => {
                     conn.close_on_drop();
                     last_gone = Some(e);
+                    gone_left -= 1;
                 }
                 Err(e) => {
                     conn.close_on_drop();
