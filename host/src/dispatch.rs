@@ -394,8 +394,7 @@ impl Dispatcher {
         }
         tx.commit().await.map_err(db_error)?;
         if !events.is_empty() {
-            metrics::counter!("obx_outbox_events_written_total", "plugin" => plugin.manifest.name.clone())
-                .increment(events.len() as u64);
+            plugin.identity.metrics().events_written.increment(events.len() as u64);
             self.signal.notify();
         }
         Ok(())

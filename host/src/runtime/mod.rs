@@ -14,6 +14,7 @@
 
 pub mod bindings;
 pub mod cache;
+mod call_metrics;
 pub mod contract;
 mod host;
 pub mod loader;
@@ -100,6 +101,9 @@ pub(crate) struct PluginIdentity {
     statements: Mutex<VerdictCache>,
     /// The declared payload schemas, compiled.
     pub(crate) contracts: contract::Contracts,
+    /// Its metric handles, registered at its first call (so a placeholder identity that
+    /// only reads a manifest registers none).
+    metrics: std::sync::OnceLock<call_metrics::CallMetrics>,
 }
 
 /// Verdicts of the SQL policy by statement text, bounded in entries and in bytes: when
@@ -132,12 +136,18 @@ impl PluginIdentity {
                 by_topic
             }),
             statements: Mutex::new(VerdictCache::default()),
+            metrics: std::sync::OnceLock::new(),
         }
     }
 
     /// Whether the manifest declares `event_type` on `topic`.
     pub(crate) fn declares(&self, topic: &str, event_type: &str) -> bool {
         self.emits.get(topic).is_some_and(|types| types.contains(event_type))
+    }
+
+    /// The plugin's metric handles.
+    pub(crate) fn metrics(&self) -> &call_metrics::CallMetrics {
+        self.metrics.get_or_init(|| call_metrics::CallMetrics::new(&self.name))
     }
 
     /// Runs `sql` through the policy, remembering the verdict.
@@ -410,22 +420,21 @@ impl Runtime {
         };
         let outcome = outcome.map_err(|e| classify_trap(&store, e));
         let state = store.into_data();
-        let name = plugin.identity.name.clone();
-        metrics::histogram!("obx_plugin_call_duration_seconds", "plugin" => name.clone())
-            .record(started.elapsed().as_secs_f64());
-        let outcome_label = match &outcome {
-            Ok(Ok(_)) => "ok",
-            Ok(Err(_)) => "error",
-            Err(_) => "trap",
-        };
-        metrics::counter!("obx_plugin_calls_total", "plugin" => name.clone(), "outcome" => outcome_label).increment(1);
-        if let Err(trap) = &outcome {
-            let kind = match trap {
-                Trap::Deadline => "deadline",
-                Trap::Memory(_) => "memory",
-                Trap::Fault(_) => "trap",
-            };
-            metrics::counter!("obx_plugin_traps_total", "plugin" => name, "kind" => kind).increment(1);
+        let counted = plugin.identity.metrics();
+        counted.duration.record(started.elapsed().as_secs_f64());
+        match &outcome {
+            Ok(Ok(_)) => counted.ok.increment(1),
+            Ok(Err(_)) => counted.error.increment(1),
+            Err(trap) => {
+                counted.trap.increment(1);
+                let kind = match trap {
+                    Trap::Deadline => "deadline",
+                    Trap::Memory(_) => "memory",
+                    Trap::Fault(_) => "trap",
+                };
+                metrics::counter!("obx_plugin_traps_total", "plugin" => plugin.identity.name.clone(), "kind" => kind)
+                    .increment(1);
+            }
         }
         let result = match outcome {
             Err(trap) => Err(CallError::Trapped(trap)),
