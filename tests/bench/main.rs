@@ -1480,7 +1480,9 @@ const NOTES: &str = "
   what Postgres itself can do here. The native handler adds what the host does around any
   handler: a pool, JSON in and out, the session's check and clearing with the commit. The
   Wasm handler adds a fresh instance per call (pooling allocator), the guest's JSON work,
-  and the host calls for SQL and emit.
+  and the host calls for SQL and emit. The CPU columns are every CPU's busy time and the
+  host process's own, divided by the commands: on a shared machine they move less than the
+  rate from run to run.
 - **Where a command's CPU goes.** Every CPU is sampled, so the table counts the Postgres
   backends' work for a command next to the host's; each sampled stack goes to the first
   stage whose frames it holds (`tests/bench/profile.rs` lists them). Postgres's own symbols
@@ -1489,8 +1491,9 @@ const NOTES: &str = "
 - **HTTP.** What a client sees: wrk keeps 16 connections busy while the same host relays
   every row to Kafka and the inventory plugin consumes every `OrderCreated` (its own
   transaction per batch of events, its own outbox row per event). All of it shares the 2
-  CPUs with wrk and Postgres, so the ratio to pgbench (which does the command's SQL alone)
-  counts the relay and the consumer as cost of the command.
+  CPUs with wrk and Postgres. pgbench runs the command's SQL against the same host, whose
+  relay and consumer take its events too (all with the partition key `'o'`, so on one shard
+  and one partition); the ratio counts the host's HTTP and command path as cost.
 - **Relay drain.** Per batch of 1,000 the relay claims (index scan, row locks), waits for
   acknowledgements, and marks `published_at`, which writes a new row version and its index
   entries: that, not Kafka, is most of the gap to raw produce. The mark does not wait for
@@ -1500,8 +1503,9 @@ const NOTES: &str = "
   their bucket, as PromQL's `histogram_quantile` does.
 - **Consume.** The ceiling is a raw consumer that does nothing with a message. In dedup
   mode OBX runs whatever a lane has queued (up to `consumer.batch_max_events`) in one
-  transaction, each event behind a savepoint (dedup row, handler, its writes); inbox mode
-  stores first and handles later, a transaction per event for each.
+  transaction, the batch's dedup rows in one statement and no savepoint between handlers;
+  inbox mode stores first (one statement per batch) and handles later, a processor taking a
+  key's next events in one transaction.
 - **Reload.** Python and JavaScript components are large (an interpreter inside); their
   first compile takes seconds, and the compile cache makes every later load fast.
 ";
