@@ -550,6 +550,98 @@ async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
     host.shutdown().await;
 }
 
+/// Called straight from a plugin session, `obx_api.emit` refuses each bad event with its
+/// reason and its place, alone and behind a good one, and writes none of the call's events.
+#[tokio::test]
+async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
+    let host = spawn_host(&["testbed"]).await;
+    let mut s = host.plugin_session("testbed").await;
+    let good = "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '{}', 'testbed.events', 'k'";
+    for (bad, why) in [
+        (
+            "NULL, 'Item', 'i', 'ItemEmitted', '{}', 'testbed.events', 'k'",
+            "no event id or payload",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', NULL, 'testbed.events', 'k'",
+            "no event id or payload",
+        ),
+        (
+            "gen_random_uuid(), '', 'i', 'ItemEmitted', '{}', 'testbed.events', 'k'",
+            "must be 1-1024 bytes",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '{}', 'testbed.events', NULL",
+            "must be 1-1024 bytes",
+        ),
+        (
+            "gen_random_uuid(), 'Item', repeat('i',1025), 'ItemEmitted', '{}', 'testbed.events', 'k'",
+            "must be 1-1024 bytes",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '{}', '__consumer_offsets', 'k'",
+            "is not declared",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'Undeclared', '{}', 'testbed.events', 'k'",
+            "is not declared",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'PaymentCaptured', '{}', 'payment.events', 'k'",
+            "is not declared",
+        ),
+        (
+            "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '\"' || repeat('x',983040) || '\"', 'testbed.events', 'k'",
+            "over the limit",
+        ),
+    ] {
+        for (events, n) in [(vec![bad], 1), (vec![good, bad], 2)] {
+            let sql = format!(
+                "SELECT obx_api.emit('1', NULL, {})",
+                (0..7)
+                    .map(|i| {
+                        let column: Vec<String> = events.iter().map(|e| nth(e, i)).collect();
+                        format!(
+                            "ARRAY[{}]::{}[]",
+                            column.join(", "),
+                            if i == 0 { "uuid" } else { "text" }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
+            let d = e.as_database_error().expect("a database error");
+            assert_eq!(d.code().as_deref(), Some("42501"), "{bad}: {d}");
+            assert!(
+                d.message().contains(&format!("event {n}: ")) && d.message().contains(why),
+                "{bad}: {d}"
+            );
+        }
+    }
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
+    // One good event is written, as the session's plugin's.
+    let one = format!(
+        "SELECT obx_api.emit('1', NULL, {})",
+        (0..7)
+            .map(|i| format!("ARRAY[{}]::{}[]", nth(good, i), if i == 0 { "uuid" } else { "text" }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    sqlx::raw_sql(&one).execute(&mut s).await.unwrap();
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE plugin_name = 'testbed' AND payload = '{}'")
+            .await,
+        1
+    );
+    host.shutdown().await;
+}
+
+/// The `i`th of an event's seven comma-separated SQL values (none holds a comma).
+fn nth(event: &str, i: usize) -> String {
+    event.split(", ").nth(i).expect("seven values").to_string()
+}
+
 /// A plugin may change its own role's password (Postgres lets every role); the host then sets
 /// a new one at its next login. Its role's connection limit is not the plugin's to change.
 #[tokio::test]
