@@ -40,15 +40,17 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
     .fetch_one(&pool)
     .await?;
 
-    let pgbench = run_pgbench(&env, &url, (&role, &password), connections, duration).await?;
     let orders = |pool: &PgPool| {
         let sql = format!("SELECT count(*) FROM \"{schema}\".orders");
         let pool = pool.clone();
         async move { sqlx::query_scalar::<_, i64>(&sql).fetch_one(&pool).await }
     };
+    let (orders_at_start, consumed_at_start) = (orders(&pool).await?, consumed(&pool).await?);
+    let pgbench = run_pgbench(&env, &url, (&role, &password), connections, duration).await?;
     // pgbench's events go out through the relay and the consumer too: let both finish with
-    // them before wrk starts.
+    // them before wrk starts. How far the consumer kept up says what the ceiling includes.
     let before = orders(&pool).await?;
+    let pgbench_consumed = consumed(&pool).await? - consumed_at_start;
     crate::wait_published(&pool).await?;
     wait_consumed(&pool, before).await?;
     let consumed_before = consumed(&pool).await?;
@@ -95,6 +97,12 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
          stopped, and all of them {:.1} s later; the relay had published every row {:.1} s after the stop.\n",
         caught_up.as_secs_f64(),
         published.as_secs_f64()
+    );
+    let pgbench_events = (before - orders_at_start).max(1);
+    out!(
+        "During pgbench's run the consumer handled {pgbench_consumed} of its {pgbench_events} events \
+         ({:.0} %), the rest after it; during wrk's, nearly all of them.\n",
+        100.0 * pgbench_consumed as f64 / pgbench_events as f64
     );
     compare(chart::Comparison::new(
         "http",
