@@ -12,6 +12,7 @@ pub struct Cpu {
 }
 
 /// CPU used between two readings, per command, in microseconds.
+#[derive(Clone, Copy)]
 pub struct PerCommand {
     pub host: f64,
     pub machine: f64,

@@ -986,11 +986,24 @@ const INSERT_ORDER: &str = "INSERT INTO orders (id, customer_id, amount, status,
 /// (a plugin session, the outbox through `obx_api.emit`, the session cleared with the
 /// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
 /// them; relay and consumers off).
+/// A run's commands/s, and the CPU each command cost.
+type Measured = (f64, cpu::PerCommand);
+
 /// One round of the commands suite: pgbench, then the native handler, then the Wasm one.
 struct Round {
-    pgbench: (f64, cpu::PerCommand),
-    native: (f64, cpu::PerCommand),
-    wasm: (f64, cpu::PerCommand),
+    pgbench: Measured,
+    native: Measured,
+    wasm: Measured,
+}
+
+impl Round {
+    fn handler(&self, wasm: bool) -> Measured {
+        if wasm {
+            self.wasm
+        } else {
+            self.native
+        }
+    }
 }
 
 /// The commands suite: `rounds` interleaved rounds of pgbench, the native handler and the
@@ -1045,11 +1058,11 @@ fn report_commands(duration: Duration, clients: usize, rounds: &[Round]) {
         "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | {:.0} | |",
         med(&|r| r.pgbench.1.machine)
     );
-    let variants: [(&str, fn(&Round) -> &(f64, cpu::PerCommand)); 2] = [
-        ("native Rust handler, the host's transaction shape", |r| &r.native),
-        ("Wasm handler (orders plugin) through the dispatcher", |r| &r.wasm),
-    ];
-    for (label, run) in variants {
+    for (label, wasm) in [
+        ("native Rust handler, the host's transaction shape", false),
+        ("Wasm handler (orders plugin) through the dispatcher", true),
+    ] {
+        let run = |r: &Round| r.handler(wasm);
         out!(
             "| {label} | {:.0} | {:.2} | {:.0} | {:.0} |",
             med(&|r| run(r).0),
@@ -1096,7 +1109,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// Runs `suite` with a fresh command counter; its rate, and the CPU each command cost.
-async fn with_cpu<F, Fut>(suite: F) -> Result<(f64, cpu::PerCommand)>
+async fn with_cpu<F, Fut>(suite: F) -> Result<Measured>
 where
     F: FnOnce(Arc<AtomicU64>) -> Fut,
     Fut: std::future::Future<Output = Result<f64>>,
