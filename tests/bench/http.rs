@@ -101,8 +101,9 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
     let pgbench_events = (before - orders_at_start).max(1);
     out!(
         "During pgbench's run the consumer handled {pgbench_consumed} of its {pgbench_events} events \
-         ({:.0} %), the rest after it; during wrk's, nearly all of them.\n",
-        100.0 * pgbench_consumed as f64 / pgbench_events as f64
+         ({:.0} %), the rest after it; during wrk's, {:.0} %.\n",
+        100.0 * pgbench_consumed as f64 / pgbench_events as f64,
+        100.0 * consumed_at_stop as f64 / commands.max(1) as f64
     );
     compare(chart::Comparison::new(
         "http",
