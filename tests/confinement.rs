@@ -596,20 +596,7 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
         ),
     ] {
         for (events, n) in [(vec![bad], 1), (vec![good, bad], 2)] {
-            let sql = format!(
-                "SELECT obx_api.emit('1', NULL, {})",
-                (0..7)
-                    .map(|i| {
-                        let column: Vec<String> = events.iter().map(|e| nth(e, i)).collect();
-                        format!(
-                            "ARRAY[{}]::{}[]",
-                            column.join(", "),
-                            if i == 0 { "uuid" } else { "text" }
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
+            let sql = emit_sql(&events);
             let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
             let d = e.as_database_error().expect("a database error");
             assert_eq!(d.code().as_deref(), Some("42501"), "{bad}: {d}");
@@ -621,13 +608,7 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
     }
     assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
     // One good event is written, as the session's plugin's.
-    let one = format!(
-        "SELECT obx_api.emit('1', NULL, {})",
-        (0..7)
-            .map(|i| format!("ARRAY[{}]::{}[]", nth(good, i), if i == 0 { "uuid" } else { "text" }))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let one = emit_sql(&[good]);
     sqlx::raw_sql(&one).execute(&mut s).await.unwrap();
     assert_eq!(
         host.count("SELECT count(*) FROM obx.outbox_event WHERE plugin_name = 'testbed' AND payload = '{}'")
@@ -637,9 +618,20 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
     host.shutdown().await;
 }
 
-/// The `i`th of an event's seven comma-separated SQL values (none holds a comma).
-fn nth(event: &str, i: usize) -> String {
-    event.split(", ").nth(i).expect("seven values").to_string()
+/// A call of `obx_api.emit` with `events`, each given as its seven comma-separated SQL
+/// values (none holds a comma), turned into the function's seven arrays.
+fn emit_sql(events: &[&str]) -> String {
+    let arrays: Vec<String> = (0..7)
+        .map(|i| {
+            let column: Vec<&str> = events
+                .iter()
+                .map(|e| e.split(", ").nth(i).expect("seven values"))
+                .collect();
+            let of = if i == 0 { "uuid" } else { "text" };
+            format!("ARRAY[{}]::{of}[]", column.join(", "))
+        })
+        .collect();
+    format!("SELECT obx_api.emit('1', NULL, {})", arrays.join(", "))
 }
 
 /// A plugin may change its own role's password (Postgres lets every role); the host then sets
