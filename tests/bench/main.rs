@@ -333,11 +333,10 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
         }
         host.shutdown().await?;
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let results = [median(&mut off), median(&mut on)];
+    // Each list is printed in order of rate.
+    off.sort_by(f64::total_cmp);
+    on.sort_by(f64::total_cmp);
+    let results = [median(off.clone()), median(on.clone())];
     out!(
         "## Command throughput (CreateOrder, 16 concurrent clients, 3 runs of {:?} each, medians)\n",
         duration / 3
@@ -981,11 +980,6 @@ fn machine() -> String {
 const INSERT_ORDER: &str = "INSERT INTO orders (id, customer_id, amount, status, items) \
      VALUES (COALESCE($1, gen_random_uuid()), $2, $3, 'pending', $4) ON CONFLICT (id) DO NOTHING RETURNING id";
 
-/// Commands/s three ways, on one database: pgbench running the handler's SQL on the plugin's
-/// own login (the ceiling), the same logic as native Rust in the host's transaction shape
-/// (a plugin session, the outbox through `obx_api.emit`, the session cleared with the
-/// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
-/// them; relay and consumers off).
 /// A run's commands/s, and the CPU each command cost.
 type Measured = (f64, cpu::PerCommand);
 
@@ -1006,10 +1000,14 @@ impl Round {
     }
 }
 
-/// The commands suite: `rounds` interleaved rounds of pgbench, the native handler and the
-/// Wasm handler, `duration` each. On a shared machine a single run of each is as much luck as
-/// measure (pgbench alone has ranged 1,700-7,600 tps within an hour here), so each figure is
-/// the median over the rounds, and each ratio the median of the rounds' own ratios.
+/// Commands/s three ways, on one database: pgbench running the handler's SQL on the plugin's
+/// own login (the ceiling), the same logic as native Rust in the host's transaction shape
+/// (a plugin session, the outbox through `obx_api.emit`, the session cleared with the
+/// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
+/// them; relay and consumers off), in `rounds` interleaved rounds of `duration` each. On a
+/// shared machine a single run of each is as much luck as measure (pgbench alone has ranged
+/// 1,700-7,600 tps within an hour here), so each figure is the median over the rounds, and
+/// each ratio the median of the rounds' own ratios.
 async fn commands(duration: Duration, clients: usize, rounds: usize) -> Result<()> {
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
