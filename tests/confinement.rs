@@ -618,6 +618,109 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
     host.shutdown().await;
 }
 
+/// The host writes a call's outbox rows at its commit, as SQL text on the plugin's own session
+/// and after whatever the plugin did to it. With the session's string syntax, client encoding
+/// and search path set against that text, values made of quotes, backslashes, array syntax and
+/// characters outside ASCII are still stored exactly as given, and the host's check before the
+/// commit still runs; an event `obx_api.emit` refuses fails the commit, domain write and all.
+#[tokio::test]
+async fn outbox_rows_written_at_commit_are_stored_as_given_whatever_the_session_settings() {
+    let host = spawn_host(&["testbed"]).await;
+    let schema: String = sqlx::query_scalar("SELECT schema_name FROM obx.plugin WHERE name = 'testbed'")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    let values = [
+        "it's",
+        "back\\slash\\'",
+        "'); COMMIT; SELECT ('",
+        "\u{30bd}\u{8868}\\'x",
+        "\u{1f600}\u{7f}\u{e9}\t\n",
+        "\"{},NULL\"",
+        "NULL",
+    ];
+    let event = |value: &str, delay_ms: u64| obx::outbox::NewEvent {
+        event_id: uuid::Uuid::now_v7(),
+        aggregate_type: "Item".into(),
+        aggregate_id: value.into(),
+        event_type: "ItemEmitted".into(),
+        payload: json!({ "s": value }).to_string(),
+        topic: "testbed.events".into(),
+        partition_key: format!("{value}-key"),
+        delay_ms,
+    };
+    let hostile = format!(
+        "CREATE TYPE \"{schema}\".text AS (x int); CREATE TYPE \"{schema}\".uuid AS (x int); \
+         SET search_path = \"{schema}\", pg_catalog; SET standard_conforming_strings = off; \
+         SET backslash_quote = on; SET client_encoding = 'SJIS'"
+    );
+    let mut events: Vec<_> = values.iter().map(|v| event(v, 0)).collect();
+    events.push(event("later's", 3_600_000));
+    let tampered = format!(
+        "obx_plugin_sessions_tampered_total{{role=\"{}\"}}",
+        host.plugin_role("testbed").await
+    );
+    let mut tx = host.host.sessions.begin("testbed").await.unwrap();
+    sqlx::raw_sql(&hostile).execute(&mut *tx).await.unwrap();
+    obx::outbox::writer::insert_at_commit(
+        &mut tx,
+        "0.1.0",
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        &events,
+    );
+    tx.commit().await.expect("the commit, with the outbox rows");
+
+    let rows: Vec<(String, String, String, String)> = sqlx::query_as(
+        "SELECT aggregate_id, partition_key, payload->>'s', plugin_name FROM obx.outbox_event ORDER BY id",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    let expected: Vec<_> = values
+        .iter()
+        .map(|v| (v.to_string(), format!("{v}-key"), v.to_string(), "testbed".to_string()))
+        .collect();
+    assert_eq!(rows, expected);
+    let delayed: (String, String) = sqlx::query_as("SELECT aggregate_id, payload->>'s' FROM obx.outbox_delayed")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(delayed, ("later's".to_string(), "later's".to_string()));
+
+    // The check before the commit found the host's own transaction.
+    assert_eq!(metric_value(&tampered), 0.0, "the session was taken for tampered with");
+
+    // A refused event fails the commit: neither the domain write nor any event is kept.
+    let mut tx = host.host.sessions.begin("testbed").await.unwrap();
+    sqlx::raw_sql("INSERT INTO items (id, note) VALUES ('refused', 'x')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut refused = event("refused", 0);
+    refused.event_type = "Undeclared".into();
+    obx::outbox::writer::insert_at_commit(&mut tx, "0.1.0", None, &[event("fine", 0), refused]);
+    let e = tx
+        .commit()
+        .await
+        .expect_err("an undeclared event refused at the commit");
+    let d = e.as_database_error().expect("a database error");
+    assert_eq!(d.code().as_deref(), Some("42501"), "{d}");
+    assert!(
+        d.message().contains("event 2: ") && d.message().contains("is not declared"),
+        "{d}"
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event").await,
+        values.len() as i64
+    );
+    assert_eq!(
+        host.count(&format!("SELECT count(*) FROM \"{schema}\".items WHERE id = 'refused'"))
+            .await,
+        0
+    );
+    host.shutdown().await;
+}
+
 /// A call of `obx_api.emit` with `events`, each given as its seven comma-separated SQL
 /// values (none holds a comma), turned into the function's seven arrays.
 fn emit_sql(events: &[&str]) -> String {

@@ -363,7 +363,7 @@ impl Dispatcher {
                 sqlx::query("ROLLBACK TO SAVEPOINT obx_handler")
                     .execute(&mut *tx)
                     .await?;
-                idempotency::store_answer(&mut tx, key, error.status(), &body).await?;
+                idempotency::store_answer_at_commit(&mut tx, key, error.status(), &body);
                 tx.commit().await
             }
             .await;
@@ -384,13 +384,9 @@ impl Dispatcher {
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
-        outbox_insert(&mut tx, &plugin.manifest.version, trace, events)
-            .await
-            .map_err(db_error)?;
+        outbox_insert(&mut tx, &plugin.manifest.version, trace, events);
         if let Some((key, status, body)) = answer {
-            idempotency::store_answer(&mut tx, key, status, body)
-                .await
-                .map_err(db_error)?;
+            idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
         tx.commit().await.map_err(db_error)?;
         if !events.is_empty() {
@@ -424,35 +420,28 @@ pub struct Emitted {
 }
 
 impl Emitted {
-    /// Writes the outbox rows into the event's transaction. A batch calls this for each of
-    /// its events just before its commit (outbox ids are taken at the end of a transaction).
-    pub async fn write(&self, tx: &mut PluginTx) -> sqlx::Result<usize> {
-        outbox_insert(tx, &self.version, &self.trace, &self.events).await?;
-        Ok(self.events.len())
+    /// Has the event's transaction write the outbox rows at its commit (outbox ids are taken
+    /// at the end of a transaction); how many. A batch calls this for each of its events.
+    pub fn write(&self, tx: &mut PluginTx) -> usize {
+        outbox_insert(tx, &self.version, &self.trace, &self.events);
+        self.events.len()
     }
 }
 
-/// Writes a call's outbox rows in a span of their own, whose trace context the rows carry:
-/// the relay's publish and every consumer's handling of the events are its children.
-async fn outbox_insert(
-    tx: &mut PluginTx,
-    version: &str,
-    parent: &TraceContext,
-    events: &[outbox::NewEvent],
-) -> sqlx::Result<()> {
+/// Has the call's transaction write its outbox rows at its commit, under a span of their own
+/// whose trace context the rows carry: the relay's publish and every consumer's handling of the
+/// events are its children. The rows are written in the commit's round trip, so a refused row
+/// is the commit's failure, reported with it.
+fn outbox_insert(tx: &mut PluginTx, version: &str, parent: &TraceContext, events: &[outbox::NewEvent]) {
     if events.is_empty() {
-        return Ok(());
+        return;
     }
     let mut span = otel::Span::export_only("outbox insert", Kind::Producer, Some(parent));
     let traceparent = span.as_ref().map_or(parent, |s| s.context()).header();
-    let written = outbox::writer::insert(tx, version, Some(&traceparent), events).await;
+    outbox::writer::insert_at_commit(tx, version, Some(&traceparent), events);
     if let Some(span) = &mut span {
         span.set("messaging.batch.message_count", events.len() as i64);
-        if let Err(e) = &written {
-            span.fail(e.to_string());
-        }
     }
-    written
 }
 
 /// The span of one guest call (`export` is the WIT export it calls).
@@ -591,6 +580,10 @@ impl Dispatcher {
 
 /// What a `handle-event` or `handle-timer` call came to: its transaction and what it emitted,
 /// or why it failed.
+#[expect(
+    clippy::result_large_err,
+    reason = "both variants carry the event's transaction: boxing the failure would not shrink the result"
+)]
 fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Result<(PluginTx, Emitted), EventFailure> {
     let CallOutput { result, tx, events } = output;
     match (result, tx) {

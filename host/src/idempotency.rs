@@ -4,6 +4,9 @@
 
 use sqlx::{PgConnection, Row};
 
+use crate::db::literal::{push_bytes, push_text};
+use crate::db::sessions::PluginTx;
+
 /// What claiming a key found.
 pub enum Claim {
     /// The key is new: this request runs the handler.
@@ -38,13 +41,14 @@ pub async fn claim(conn: &mut PgConnection, key: &str, request_hash: &[u8]) -> s
     })
 }
 
-/// Stores the answer to a claimed key, in the command's transaction.
-pub async fn store_answer(conn: &mut PgConnection, key: &str, status: u16, body: &[u8]) -> sqlx::Result<()> {
-    sqlx::query("SELECT obx_api.store_idempotent_answer($1, $2, $3)")
-        .bind(key)
-        .bind(status as i16)
-        .bind(body)
-        .execute(conn)
-        .await?;
-    Ok(())
+/// Has the command's transaction store the answer to a claimed key at its commit, in the
+/// commit's round trip.
+pub fn store_answer_at_commit(tx: &mut PluginTx, key: &str, status: u16, body: &[u8]) {
+    let mut sql = String::with_capacity(2 * body.len() + key.len() + 96);
+    sql.push_str("SELECT obx_api.store_idempotent_answer(");
+    push_text(&mut sql, key);
+    sql.push_str(&format!(", {status}::pg_catalog.int2, "));
+    push_bytes(&mut sql, body);
+    sql.push(')');
+    tx.write_at_commit(&sql);
 }

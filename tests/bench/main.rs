@@ -1119,16 +1119,19 @@ where
 }
 
 /// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
-/// `obx_api.emit`, COMMIT, each a prepared statement.
+/// `obx_api.emit`, COMMIT, each a prepared statement; the last two in one round trip (a
+/// pipeline), as the host sends its outbox rows with the commit.
 async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, duration: Duration) -> Result<f64> {
     let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
     let script = format!(
         "BEGIN;\n\
          INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
          ON CONFLICT (id) DO NOTHING RETURNING id;\n\
+         \\startpipeline\n\
          SELECT obx_api.emit('0.1.0', NULL, ARRAY[gen_random_uuid()], ARRAY['Order'], ARRAY['o'], \
          ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
-         COMMIT;\n"
+         COMMIT;\n\
+         \\endpipeline\n"
     );
     run_pgbench_script(env, url, login, clients, duration, &script).await
 }
@@ -1272,7 +1275,7 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
                     partition_key: id.to_string(),
                     delay_ms: 0,
                 };
-                obx::outbox::writer::insert(&mut tx, "0.1.0", None, &[event]).await?;
+                obx::outbox::writer::insert_at_commit(&mut tx, "0.1.0", None, &[event]);
                 tx.commit().await?;
                 done += 1;
                 done_total.fetch_add(1, Ordering::Relaxed);
@@ -1546,8 +1549,9 @@ const NOTES: &str = "
 ## Reading the figures
 
 - **Commands.** pgbench runs the handler's statements on the plugin's own login (`BEGIN`,
-  the insert, the outbox row through `obx_api.emit`, `COMMIT`) with nothing else: that is
-  what Postgres itself can do here. The native handler adds what the host does around any
+  the insert, then the outbox row through `obx_api.emit` and `COMMIT` in one round trip, a
+  pipeline, as the host sends them) with nothing else: that is what Postgres itself can do
+  here. The native handler adds what the host does around any
   handler: a pool, JSON in and out, the session's check and clearing with the commit. The
   Wasm handler adds a fresh instance per call (pooling allocator), the guest's JSON work,
   and the host calls for SQL and emit. The CPU columns are every CPU's busy time and the

@@ -1,5 +1,6 @@
 //! Postgres: the host's connections and schema (`migrations/`), each plugin's role, schema
-//! and migrations ([`plugin_schema`]), and the sessions plugins run on ([`sessions`]).
+//! and migrations ([`plugin_schema`]), the sessions plugins run on ([`sessions`]), and the
+//! constants of the host's writes at their commits ([`literal`]).
 //!
 //! Invariants:
 //! * Host connections pin `search_path` to `obx`: no user or schema name can redirect the
@@ -9,6 +10,7 @@
 //!   sessions ([`sessions`]).
 
 pub mod embedded;
+pub mod literal;
 pub mod locks;
 pub mod login;
 pub mod plugin_schema;

@@ -213,6 +213,7 @@ impl Sessions {
                         role,
                         host: self.host.clone(),
                         poisoned: false,
+                        at_commit: String::new(),
                     })
                 }
                 Ok(_) => {
@@ -283,6 +284,8 @@ pub struct PluginTx {
     host: PgPool,
     /// The session may be in the middle of a result: it can only be abandoned.
     poisoned: bool,
+    /// Host statements to run at the commit, in its round trip ([`PluginTx::write_at_commit`]).
+    at_commit: String,
 }
 
 impl PluginTx {
@@ -293,6 +296,14 @@ impl PluginTx {
             return Err(sqlx::Error::Protocol("the plugin session was abandoned".into()));
         }
         self.finish(true).await
+    }
+
+    /// Has the commit run `statement` (host SQL, as text: see [`crate::db::literal`]) just
+    /// before its `COMMIT`, in the same round trip, after those given before it. A statement
+    /// that fails fails the commit. A rollback drops them unrun.
+    pub fn write_at_commit(&mut self, statement: &str) {
+        self.at_commit.push_str(statement);
+        self.at_commit.push_str("; ");
     }
 
     /// Rolls back and clears the session. On error the session is closed.
@@ -306,14 +317,16 @@ impl PluginTx {
     /// Ends the transaction and clears the session in one round trip, after the commit or
     /// rollback, so that what plugin code did during a commit is cleared too. Before a
     /// commit, [`CHECK`] reads whether the plugin ended the host's transaction itself; if it
-    /// did, the session is closed even when the commit went through. (An error after a
+    /// did, the session is closed even when the commit went through. The statements given to
+    /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. (An error after a
     /// `COMMIT` that went through reads as a failed commit: only a plugin that changed its
     /// own session's settings can cause one, to its own call.)
     async fn finish(&mut self, commit: bool) -> sqlx::Result<()> {
         let conn = self.conn.as_mut().expect("open until consumed");
         if commit {
+            let at_commit = std::mem::take(&mut self.at_commit);
             let rows = (&mut **conn)
-                .fetch_all(format!("{CHECK}; COMMIT; {CLEAR}").as_str())
+                .fetch_all(format!("{CHECK}; {at_commit}COMMIT; {CLEAR}").as_str())
                 .await?;
             let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
             if started != self.started {

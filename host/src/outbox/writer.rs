@@ -2,88 +2,68 @@
 //! `obx_api.emit` (and `obx_api.emit_delayed` for delayed events): the call's session is the
 //! plugin's own, which may not write the outbox itself. The functions name the plugin from the
 //! session's login, never from us.
+//!
+//! The statements are text, with the events as constants ([`crate::db::literal`]), so that the
+//! session runs them in the round trip of its `COMMIT` ([`PluginTx::write_at_commit`]): a
+//! statement with parameters would take a round trip of its own, one more per command.
 
-use sqlx::PgConnection;
+use crate::db::literal::{push_array, push_optional_text, push_text};
+use crate::db::sessions::PluginTx;
 
 use super::NewEvent;
 
-/// Inserts `events` in emit order (so `id` follows emit order), with one statement for the
-/// events published on commit and one more for delayed events, if any, and records the
-/// emitting plugin (the session's) and version on every row. `created_at` is the insert's own
-/// clock, taken just before the commit, so that commit-to-publish latency can be measured
-/// from it; a delayed event is due `delay_ms` after it.
-pub async fn insert(
-    conn: &mut PgConnection,
-    plugin_version: &str,
-    traceparent: Option<&str>,
-    events: &[NewEvent],
-) -> sqlx::Result<()> {
+/// Has `tx` insert `events` at its commit, in emit order (so `id` follows emit order), with one
+/// statement for the events published on commit and one more for delayed events, if any, and
+/// the emitting plugin (the session's) and version recorded on every row. `created_at` is the
+/// insert's own clock, taken just before the commit, so that commit-to-publish latency can be
+/// measured from it; a delayed event is due `delay_ms` after it. A refused event fails the
+/// commit, which then commits nothing.
+pub fn insert_at_commit(tx: &mut PluginTx, plugin_version: &str, traceparent: Option<&str>, events: &[NewEvent]) {
     let (delayed, now): (Vec<&NewEvent>, Vec<&NewEvent>) = events.iter().partition(|e| e.delay_ms > 0);
     if !now.is_empty() {
-        Columns::of(&now)
-            .bind(sqlx::query("SELECT obx_api.emit($8, $9, $1, $2, $3, $4, $5, $6, $7)"))
-            .bind(plugin_version)
-            .bind(traceparent)
-            .execute(&mut *conn)
-            .await?;
+        tx.write_at_commit(&statement(plugin_version, traceparent, &now, false));
     }
     if !delayed.is_empty() {
-        let delays: Vec<i64> = delayed
+        tx.write_at_commit(&statement(plugin_version, traceparent, &delayed, true));
+    }
+}
+
+/// `SELECT obx_api.emit(…)` for `events`, the fields as the parallel arrays the function
+/// takes; `obx_api.emit_delayed(…)` and their delays if `delayed`.
+fn statement(plugin_version: &str, traceparent: Option<&str>, events: &[&NewEvent], delayed: bool) -> String {
+    let bytes: usize = events.iter().map(|e| e.payload.len() + 256).sum();
+    let mut sql = String::with_capacity(bytes + 256);
+    sql.push_str(if delayed {
+        "SELECT obx_api.emit_delayed("
+    } else {
+        "SELECT obx_api.emit("
+    });
+    push_text(&mut sql, plugin_version);
+    sql.push_str(", ");
+    push_optional_text(&mut sql, traceparent);
+    let ids: Vec<String> = events.iter().map(|e| e.event_id.to_string()).collect();
+    sql.push_str(", ");
+    push_array(&mut sql, ids.iter().map(String::as_str), "pg_catalog.uuid");
+    let columns: [fn(&NewEvent) -> &str; 6] = [
+        |e| &e.aggregate_type,
+        |e| &e.aggregate_id,
+        |e| &e.event_type,
+        |e| &e.payload,
+        |e| &e.topic,
+        |e| &e.partition_key,
+    ];
+    for column in columns {
+        sql.push_str(", ");
+        push_array(&mut sql, events.iter().map(|e| column(e)), "pg_catalog.text");
+    }
+    if delayed {
+        let delays: Vec<String> = events
             .iter()
-            .map(|e| i64::try_from(e.delay_ms).unwrap_or(i64::MAX))
+            .map(|e| i64::try_from(e.delay_ms).unwrap_or(i64::MAX).to_string())
             .collect();
-        Columns::of(&delayed)
-            .bind(sqlx::query(
-                "SELECT obx_api.emit_delayed($8, $9, $1, $2, $3, $4, $5, $6, $7, $10)",
-            ))
-            .bind(plugin_version)
-            .bind(traceparent)
-            .bind(delays)
-            .execute(&mut *conn)
-            .await?;
+        sql.push_str(", ");
+        push_array(&mut sql, delays.iter().map(String::as_str), "pg_catalog.int8");
     }
-    Ok(())
-}
-
-/// The events' fields as the parallel arrays the functions take.
-struct Columns<'a> {
-    ids: Vec<uuid::Uuid>,
-    aggregate_types: Vec<&'a str>,
-    aggregate_ids: Vec<&'a str>,
-    event_types: Vec<&'a str>,
-    payloads: Vec<&'a str>,
-    topics: Vec<&'a str>,
-    keys: Vec<&'a str>,
-}
-
-impl<'a> Columns<'a> {
-    fn of(events: &[&'a NewEvent]) -> Self {
-        Columns {
-            ids: events.iter().map(|e| e.event_id).collect(),
-            aggregate_types: events.iter().map(|e| e.aggregate_type.as_str()).collect(),
-            aggregate_ids: events.iter().map(|e| e.aggregate_id.as_str()).collect(),
-            event_types: events.iter().map(|e| e.event_type.as_str()).collect(),
-            payloads: events.iter().map(|e| e.payload.as_str()).collect(),
-            topics: events.iter().map(|e| e.topic.as_str()).collect(),
-            keys: events.iter().map(|e| e.partition_key.as_str()).collect(),
-        }
-    }
-
-    /// Binds $1 to $7.
-    fn bind<'q>(
-        self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>
-    where
-        'a: 'q,
-    {
-        query
-            .bind(self.ids)
-            .bind(self.aggregate_types)
-            .bind(self.aggregate_ids)
-            .bind(self.event_types)
-            .bind(self.payloads)
-            .bind(self.topics)
-            .bind(self.keys)
-    }
+    sql.push(')');
+    sql
 }
