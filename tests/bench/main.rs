@@ -107,6 +107,9 @@ enum Bench {
         /// Interleaved rounds of pgbench, native and Wasm; the report gives the medians.
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Each Wasm command with an `Idempotency-Key` of its own (claimed, answered).
+        #[arg(long)]
+        idempotency_keys: bool,
     },
     /// Where a command's CPU goes (`perf`, every CPU), native and Wasm, and the flame graph
     /// of the Wasm run.
@@ -166,7 +169,8 @@ fn main() -> Result<()> {
                 duration,
                 clients,
                 rounds,
-            } => commands(duration, clients, rounds).await,
+                idempotency_keys,
+            } => commands(duration, clients, rounds, idempotency_keys).await,
             Bench::Profile {
                 duration,
                 clients,
@@ -1008,7 +1012,7 @@ impl Round {
 /// shared machine a single run of each is as much luck as measure (pgbench alone has ranged
 /// 1,700-7,600 tps within an hour here), so each figure is the median over the rounds, and
 /// each ratio the median of the rounds' own ratios.
-async fn commands(duration: Duration, clients: usize, rounds: usize) -> Result<()> {
+async fn commands(duration: Duration, clients: usize, rounds: usize, keys: bool) -> Result<()> {
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
     let (host, url) = orders_host(&env, plugins.path(), clients).await?;
@@ -1029,7 +1033,7 @@ async fn commands(duration: Duration, clients: usize, rounds: usize) -> Result<(
         sqlx::query(&truncate).execute(&pool).await?;
         let native = with_cpu(|done| native_orders(&host, clients, duration, done)).await?;
         sqlx::query(&truncate).execute(&pool).await?;
-        let wasm = with_cpu(|done| wasm_orders(&host, clients, duration, done)).await?;
+        let wasm = with_cpu(|done| wasm_orders(&host, clients, duration, done, keys)).await?;
         measured.push(Round {
             pgbench: (pgbench, pgbench_cpu),
             native,
@@ -1037,11 +1041,11 @@ async fn commands(duration: Duration, clients: usize, rounds: usize) -> Result<(
         });
     }
     host.shutdown().await?;
-    report_commands(duration, clients, &measured);
+    report_commands(duration, clients, &measured, keys);
     Ok(())
 }
 
-fn report_commands(duration: Duration, clients: usize, rounds: &[Round]) {
+fn report_commands(duration: Duration, clients: usize, rounds: &[Round], keys: bool) {
     let med = |f: &dyn Fn(&Round) -> f64| median(rounds.iter().map(f).collect());
     let pgbench = med(&|r| r.pgbench.0);
     let (native, wasm) = (med(&|r| r.native.0), med(&|r| r.wasm.0));
@@ -1056,9 +1060,14 @@ fn report_commands(duration: Duration, clients: usize, rounds: &[Round]) {
         "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | {:.0} | |",
         med(&|r| r.pgbench.1.machine)
     );
+    let wasm_label = if keys {
+        "Wasm handler (orders plugin) through the dispatcher, each command with an Idempotency-Key"
+    } else {
+        "Wasm handler (orders plugin) through the dispatcher"
+    };
     for (label, wasm) in [
         ("native Rust handler, the host's transaction shape", false),
-        ("Wasm handler (orders plugin) through the dispatcher", true),
+        (wasm_label, true),
     ] {
         let run = |r: &Round| r.handler(wasm);
         out!(
@@ -1208,7 +1217,10 @@ async fn profile_commands(duration: Duration, clients: usize, charts: &std::path
     let (rate, native) = tokio::join!(native_orders(&host, clients, run, done.clone()), sample("native", done));
     let (native_rate, native) = (rate?, native?);
     let done = profile::counter();
-    let (rate, wasm) = tokio::join!(wasm_orders(&host, clients, run, done.clone()), sample("wasm", done));
+    let (rate, wasm) = tokio::join!(
+        wasm_orders(&host, clients, run, done.clone(), false),
+        sample("wasm", done)
+    );
     let (wasm_rate, wasm) = (rate?, wasm?);
     host.shutdown().await?;
 
@@ -1291,8 +1303,14 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
 }
 
 /// CreateOrder through the dispatcher: a fresh Store per call, the Wasm handler, the
-/// host's transaction.
-async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration, done: Arc<AtomicU64>) -> Result<f64> {
+/// host's transaction; with `keys`, each command with an `Idempotency-Key` of its own.
+async fn wasm_orders(
+    host: &obx::app::Host,
+    clients: usize,
+    duration: Duration,
+    done: Arc<AtomicU64>,
+    keys: bool,
+) -> Result<f64> {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
@@ -1305,7 +1323,7 @@ async fn wasm_orders(host: &obx::app::Host, clients: usize, duration: Duration, 
                     plugin: "orders".into(),
                     command: "CreateOrder".into(),
                     payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
-                    idempotency_key: None,
+                    idempotency_key: keys.then(|| uuid::Uuid::now_v7().to_string()),
                     request_id: String::new(),
                     parent_trace: None,
                 };
@@ -1440,7 +1458,7 @@ async fn rss() -> Result<()> {
 
 /// Runs every suite, then writes the report and its charts.
 async fn report(path: &std::path::Path) -> Result<()> {
-    commands(Duration::from_secs(6), 16, 5).await?;
+    commands(Duration::from_secs(6), 16, 5, false).await?;
     let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
     profile_commands(Duration::from_secs(8), 16, &charts).await?;
     http::run(Duration::from_secs(10), 16, true).await?;
