@@ -224,6 +224,33 @@ async fn the_same_idempotency_key_runs_the_handler_once() {
     host.shutdown().await;
 }
 
+/// The key is claimed and answered by SQL text the host writes (in the round trips of the
+/// `BEGIN` and the `COMMIT`): a key made of quotes, backslashes and SQL is stored as given,
+/// and replays.
+#[tokio::test]
+async fn an_idempotency_key_made_of_quotes_and_backslashes_is_kept_as_given() {
+    let host = spawn_host(&["testbed"]).await;
+    let key = r#"k'); COMMIT; SELECT ('\'' "x"#;
+    let first = host
+        .command_with_key("testbed", "counter", json!({ "id": "q" }), key)
+        .await;
+    let second = host
+        .command_with_key("testbed", "counter", json!({ "id": "q" }), key)
+        .await;
+    assert_eq!((first.status, second.status), (200, 200), "{}", first.text);
+    assert_eq!(
+        (first.body.clone(), second.body),
+        (json!({ "n": 1 }), json!({ "n": 1 }))
+    );
+    assert!(second.headers.get("idempotent-replayed").is_some());
+    let stored: Vec<String> = sqlx::query_scalar("SELECT key FROM obx.idempotency_key")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![key.to_string()]);
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn concurrent_requests_with_one_key_run_the_handler_once() {
     let host = spawn_host(&["testbed"]).await;

@@ -50,6 +50,13 @@ pub struct CommandRequest {
     pub parent_trace: Option<TraceContext>,
 }
 
+/// How a command's start came out: its transaction, with the `Idempotency-Key` it claimed
+/// (and the request's hash), or the answer already stored for its key.
+enum Begun<'r> {
+    Run(PluginTx, Option<(&'r str, Vec<u8>)>),
+    Replay(CommandResponse),
+}
+
 /// A successful command, or a stored answer replayed for a repeated `Idempotency-Key`.
 #[derive(Debug)]
 pub struct CommandResponse {
@@ -291,37 +298,9 @@ impl Dispatcher {
                 command: req.command.clone(),
             });
         }
-        let mut tx = self.sessions.begin(&plugin.manifest.name).await.map_err(db_error)?;
-
-        let idempotency = match &req.idempotency_key {
-            None => None,
-            Some(key) => {
-                let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
-                match idempotency::claim(&mut tx, key, &hash).await.map_err(db_error)? {
-                    Claim::New => {
-                        sqlx::query(HANDLER_SAVEPOINT)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(db_error)?;
-                        Some((key.as_str(), hash))
-                    }
-                    Claim::Answered {
-                        request_hash,
-                        status,
-                        body,
-                    } => {
-                        let _ = tx.rollback().await;
-                        if request_hash != hash {
-                            return Err(CommandError::IdempotencyKeyReused);
-                        }
-                        return Ok(CommandResponse {
-                            status,
-                            body,
-                            replayed: true,
-                        });
-                    }
-                }
-            }
+        let (tx, idempotency) = match self.begin_command(&plugin.manifest.name, req).await? {
+            Begun::Run(tx, claimed) => (tx, claimed),
+            Begun::Replay(answer) => return Ok(answer),
         };
 
         let command = guest::Command {
@@ -374,6 +353,37 @@ impl Dispatcher {
         }
         let _ = tx.rollback().await;
         Err(error)
+    }
+
+    /// Begins a command's transaction on a session of `plugin`; with an `Idempotency-Key`,
+    /// claims the key in the same round trip, and replays the answer stored for it if there
+    /// is one.
+    async fn begin_command<'r>(&self, plugin: &str, req: &'r CommandRequest) -> Result<Begun<'r>, CommandError> {
+        let Some(key) = &req.idempotency_key else {
+            let tx = self.sessions.begin(plugin).await.map_err(db_error)?;
+            return Ok(Begun::Run(tx, None));
+        };
+        let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
+        let claim = idempotency::claim_statements(key, &hash, HANDLER_SAVEPOINT);
+        let (tx, rows) = self.sessions.begin_then(plugin, &claim).await.map_err(db_error)?;
+        match idempotency::read_claim(rows.first()).map_err(db_error)? {
+            Claim::New => Ok(Begun::Run(tx, Some((key.as_str(), hash)))),
+            Claim::Answered {
+                request_hash,
+                status,
+                body,
+            } => {
+                let _ = tx.rollback().await;
+                if request_hash != hash {
+                    return Err(CommandError::IdempotencyKeyReused);
+                }
+                Ok(Begun::Replay(CommandResponse {
+                    status,
+                    body,
+                    replayed: true,
+                }))
+            }
+        }
     }
 
     async fn commit(

@@ -2,7 +2,8 @@
 //! command's own transaction (through `obx_api`, since that transaction is the plugin's
 //! session): a stored answer exists exactly when the command's effects were committed.
 
-use sqlx::{PgConnection, Row};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
 
 use crate::db::literal::{push_bytes, push_text};
 use crate::db::sessions::PluginTx;
@@ -19,15 +20,24 @@ pub enum Claim {
     },
 }
 
-/// Claims `key` for the session's plugin. A concurrent request with the same key waits
-/// here, on the row, until the first one commits (then it replays) or rolls back (then it
-/// runs).
-pub async fn claim(conn: &mut PgConnection, key: &str, request_hash: &[u8]) -> sqlx::Result<Claim> {
-    let row = sqlx::query("SELECT fresh, stored_hash, status, response FROM obx_api.claim_idempotency_key($1, $2)")
-        .bind(key)
-        .bind(request_hash)
-        .fetch_one(conn)
-        .await?;
+/// The statements that claim `key` for the session's plugin, to send with the `BEGIN`
+/// ([`crate::db::sessions::Sessions::begin_then`]), and then mark where the handler's work
+/// starts (`savepoint`), which a rejection rolls back to so as to keep the claim. A
+/// concurrent request with the same key waits on the claim, on the row, until the first one
+/// commits (then it replays) or rolls back (then it runs).
+pub fn claim_statements(key: &str, request_hash: &[u8], savepoint: &str) -> String {
+    let mut sql = String::from("SELECT fresh, stored_hash, status, response FROM obx_api.claim_idempotency_key(");
+    push_text(&mut sql, key);
+    sql.push_str(", ");
+    push_bytes(&mut sql, request_hash);
+    sql.push_str("); ");
+    sql.push_str(savepoint);
+    sql
+}
+
+/// What the claim's row says.
+pub fn read_claim(row: Option<&PgRow>) -> sqlx::Result<Claim> {
+    let row = row.ok_or(sqlx::Error::RowNotFound)?;
     // try_get: the row comes from the plugin's own session.
     if row.try_get::<bool, _>("fresh")? {
         return Ok(Claim::New);

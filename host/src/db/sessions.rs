@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
 
 use super::login::Login;
@@ -138,10 +138,16 @@ impl Sessions {
     /// takes its password (a plugin can change its own), the host sets a new one, at most
     /// once a minute, and tries again.
     pub async fn begin(&self, name: &str) -> Result<PluginTx, SessionError> {
-        match self.try_begin(name).await {
+        Ok(self.begin_then(name, "").await?.0)
+    }
+
+    /// [`Sessions::begin`], then `statements` (host SQL as text, separated by `;`; see
+    /// [`super::literal`]) in the same round trip; and the rows they returned.
+    pub async fn begin_then(&self, name: &str, statements: &str) -> Result<(PluginTx, Vec<PgRow>), SessionError> {
+        match self.try_begin(name, statements).await {
             Err(e) if refused_password(&e) => {
                 self.rotate(name).await?;
-                match self.try_begin(name).await {
+                match self.try_begin(name, statements).await {
                     Err(e) if refused_password(&e) => Err(SessionError::Login(name.to_string())),
                     other => other,
                 }
@@ -182,7 +188,7 @@ impl Sessions {
             .ok_or_else(|| SessionError::Unknown(name.to_string()))
     }
 
-    async fn try_begin(&self, name: &str) -> Result<PluginTx, SessionError> {
+    async fn try_begin(&self, name: &str, then: &str) -> Result<(PluginTx, Vec<PgRow>), SessionError> {
         let (role, pool) = self
             .pools
             .lock()
@@ -197,16 +203,25 @@ impl Sessions {
         while tampered_left > 0 && gone_left > 0 {
             let mut conn = pool.acquire().await?;
             // A plain string goes over the simple protocol: every statement in one round trip.
-            let row = (&mut *conn).fetch_one(BEGIN).await.and_then(|row| {
-                Ok((
-                    row.try_get::<i32, _>(0)?,
-                    row.try_get::<i64, _>(1)?,
-                    row.try_get::<i64, _>(2)?,
-                ))
+            let sql = if then.is_empty() {
+                std::borrow::Cow::Borrowed(BEGIN)
+            } else {
+                std::borrow::Cow::Owned(format!("{BEGIN}; {then}"))
+            };
+            let rows = (&mut *conn).fetch_all(&*sql).await;
+            let row = rows.and_then(|mut rows| {
+                let first = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+                let read = (
+                    first.try_get::<i32, _>(0)?,
+                    first.try_get::<i64, _>(1)?,
+                    first.try_get::<i64, _>(2)?,
+                );
+                rows.remove(0);
+                Ok((read, rows))
             });
             match row {
-                Ok((pid, started, 0)) => {
-                    return Ok(PluginTx {
+                Ok(((pid, started, 0), rows)) => {
+                    let tx = PluginTx {
                         conn: Some(conn),
                         pid,
                         started,
@@ -214,7 +229,8 @@ impl Sessions {
                         host: self.host.clone(),
                         poisoned: false,
                         at_commit: String::new(),
-                    })
+                    };
+                    return Ok((tx, rows));
                 }
                 Ok(_) => {
                     tampered(&role, "SQL made prepared statements on it");
