@@ -60,5 +60,5 @@ pub fn store_answer_at_commit(tx: &mut PluginTx, key: &str, status: u16, body: &
     sql.push_str(&format!(", {status}::pg_catalog.int2, "));
     push_bytes(&mut sql, body);
     sql.push(')');
-    tx.write_at_commit(&sql);
+    tx.write_at_commit(sql);
 }

@@ -317,9 +317,14 @@ impl PluginTx {
     /// Has the commit run `statement` (host SQL, as text: see [`crate::db::literal`]) just
     /// before its `COMMIT`, in the same round trip, after those given before it. A statement
     /// that fails fails the commit. A rollback drops them unrun.
-    pub fn write_at_commit(&mut self, statement: &str) {
-        self.at_commit.push_str(statement);
-        self.at_commit.push_str("; ");
+    pub fn write_at_commit(&mut self, mut statement: String) {
+        statement.push_str("; ");
+        if self.at_commit.is_empty() {
+            // The common case, one statement: kept as it is, not copied.
+            self.at_commit = statement;
+        } else {
+            self.at_commit.push_str(&statement);
+        }
     }
 
     /// Rolls back and clears the session. On error the session is closed.

@@ -21,10 +21,10 @@ use super::NewEvent;
 pub fn insert_at_commit(tx: &mut PluginTx, plugin_version: &str, traceparent: Option<&str>, events: &[NewEvent]) {
     let (delayed, now): (Vec<&NewEvent>, Vec<&NewEvent>) = events.iter().partition(|e| e.delay_ms > 0);
     if !now.is_empty() {
-        tx.write_at_commit(&statement(plugin_version, traceparent, &now, false));
+        tx.write_at_commit(statement(plugin_version, traceparent, &now, false));
     }
     if !delayed.is_empty() {
-        tx.write_at_commit(&statement(plugin_version, traceparent, &delayed, true));
+        tx.write_at_commit(statement(plugin_version, traceparent, &delayed, true));
     }
 }
 
