@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use sqlx::PgPool;
 
-use crate::{chart, compare, profile, run_pgbench, Env};
+use crate::{chart, compare, cpu, profile, run_pgbench, Env};
 
 /// What wrk measured.
 struct Wrk {
@@ -46,16 +46,20 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
         async move { sqlx::query_scalar::<_, i64>(&sql).fetch_one(&pool).await }
     };
     let (orders_at_start, consumed_at_start) = (orders(&pool).await?, consumed(&pool).await?);
+    let cpu_at_start = cpu::Cpu::now();
     let pgbench = run_pgbench(&env, &url, (&role, &password), connections, duration).await?;
     // pgbench's events go out through the relay and the consumer too: let both finish with
     // them before wrk starts. How far the consumer kept up says what the ceiling includes.
     let before = orders(&pool).await?;
+    let pgbench_cpu = cpu_at_start.per_command((before - orders_at_start) as u64);
     let pgbench_consumed = consumed(&pool).await? - consumed_at_start;
     crate::wait_published(&pool).await?;
     wait_consumed(&pool, before).await?;
     let consumed_before = consumed(&pool).await?;
+    let batches_before = transactions(&pool).await?;
 
     let target = format!("{}/v1/commands/orders/CreateOrder", host.url());
+    let cpu_at_wrk = cpu::Cpu::now();
     let (wrk, window) = if sample {
         let done = Arc::new(AtomicU64::new(0));
         let counting = count_orders(pool.clone(), orders, done.clone(), duration + Duration::from_secs(2));
@@ -71,26 +75,46 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
     };
     let stopped = Instant::now();
     let commands = orders(&pool).await? - before;
+    let wrk_cpu = cpu_at_wrk.per_command(commands as u64);
     let consumed_at_stop = consumed(&pool).await? - consumed_before;
     // The consumer's backlog at the end of the run, and how long it took to clear.
     let caught_up = wait_consumed(&pool, consumed_before + commands).await?;
     crate::wait_published(&pool).await?;
     let published = stopped.elapsed();
+    let batches = transactions(&pool).await?;
     host.shutdown().await?;
 
     out!("## Commands over HTTP: wrk, {connections} connections, {duration:?}, relay and consumer running\n");
     out!("`POST /v1/commands/orders/CreateOrder` (no Idempotency-Key) against a host serving `orders` and");
     out!("`inventory` (which consumes every `OrderCreated`), with {connections} plugin sessions. wrk runs in its");
     out!("own process on the same 2 CPUs.\n");
-    out!("| | commands/s | ratio to pgbench | p50 | p99 |");
-    out!("| --- | ---: | ---: | ---: | ---: |");
-    out!("| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | | |");
     out!(
-        "| OBX over HTTP | {:.0} | {:.2} | {:.1} ms | {:.1} ms |\n",
+        "| | commands/s | ratio to pgbench | p50 | p99 | CPU per command, every CPU, µs | of it the host process, µs |"
+    );
+    out!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    out!(
+        "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | | | {:.0} | {:.0} |",
+        pgbench_cpu.machine,
+        pgbench_cpu.host
+    );
+    out!(
+        "| OBX over HTTP | {:.0} | {:.2} | {:.1} ms | {:.1} ms | {:.0} | {:.0} |\n",
         wrk.rate,
         wrk.rate / pgbench,
         wrk.p50_ms,
-        wrk.p99_ms
+        wrk.p99_ms,
+        wrk_cpu.machine,
+        wrk_cpu.host
+    );
+    out!(
+        "CPU is counted over each run alone: the host process runs the relay and the consumer during \
+         pgbench's run too, for pgbench's events, and what a consumer leaves for after a run is in \
+         neither row{}.\n",
+        if sample {
+            "; `perf` sampled during wrk's run, and its CPU is in that row"
+        } else {
+            ""
+        }
     );
     out!(
         "{commands} orders were committed; inventory had handled {consumed_at_stop} of their events when wrk \
@@ -104,6 +128,15 @@ pub async fn run(duration: Duration, connections: usize, sample: bool) -> Result
          ({:.0} %), the rest after it; during wrk's, {:.0} %.\n",
         100.0 * pgbench_consumed as f64 / pgbench_events as f64,
         100.0 * consumed_at_stop as f64 / commands.max(1) as f64
+    );
+    let (events, steps) = (batches.0.since(&batches_before.0), batches.1.since(&batches_before.1));
+    out!(
+        "Transactions for wrk's commands: the consumer's {} (a mean of {:.1} events each), the relay's \
+         marks {} (a mean of {:.1} rows each).\n",
+        events.transactions,
+        events.per_transaction(),
+        steps.transactions,
+        steps.per_transaction()
     );
     compare(chart::Comparison::new(
         "http",
@@ -146,6 +179,40 @@ async fn consumed(pool: &PgPool) -> Result<i64> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM obx.processed_event")
         .fetch_one(pool)
         .await?)
+}
+
+/// Rows and the transactions that wrote them: the consumer's dedup records, and the relay's
+/// marks of published outbox rows. Transaction ids only grow, so the difference of two
+/// readings counts the transactions in between.
+async fn transactions(pool: &PgPool) -> Result<(Written, Written)> {
+    let count = |sql: &'static str| async move {
+        let (rows, transactions) = sqlx::query_as::<_, (i64, i64)>(sql).fetch_one(pool).await?;
+        Ok::<_, sqlx::Error>(Written { rows, transactions })
+    };
+    Ok((
+        count("SELECT count(*), count(DISTINCT xmin::text) FROM obx.processed_event").await?,
+        count("SELECT count(*), count(DISTINCT xmin::text) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+            .await?,
+    ))
+}
+
+/// Rows of one table, and the transactions that wrote them.
+struct Written {
+    rows: i64,
+    transactions: i64,
+}
+
+impl Written {
+    fn since(&self, earlier: &Written) -> Written {
+        Written {
+            rows: self.rows - earlier.rows,
+            transactions: self.transactions - earlier.transactions,
+        }
+    }
+
+    fn per_transaction(&self) -> f64 {
+        self.rows as f64 / self.transactions.max(1) as f64
+    }
 }
 
 /// Waits for the consumer to have handled `total` events; returns how long that took.
