@@ -62,8 +62,15 @@ impl TraceContext {
         parent.map(TraceContext::child).unwrap_or_else(TraceContext::root)
     }
 
+    /// The `traceparent` header: `00-<trace id>-<span id>-<flags>`, written in one allocation.
     pub fn header(&self) -> String {
-        format!("00-{}-{}-{:02x}", self.trace_id(), self.span_id(), self.sampled as u8)
+        let mut header = String::with_capacity(55);
+        header.push_str("00-");
+        push_hex(&mut header, &self.trace_id);
+        header.push('-');
+        push_hex(&mut header, &self.span_id);
+        header.push_str(if self.sampled { "-01" } else { "-00" });
+        header
     }
 
     pub fn trace_id(&self) -> String {
@@ -83,6 +90,15 @@ fn new_span_id() -> [u8; 8] {
         id[7] = 1;
     }
     id
+}
+
+/// Appends `bytes` as lowercase hex digits.
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 0x0f)] as char);
+    }
 }
 
 fn decode_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -112,6 +128,8 @@ mod tests {
         let h = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let t = TraceContext::parse(h).unwrap();
         assert_eq!(t.header(), h);
+        let unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        assert_eq!(TraceContext::parse(unsampled).unwrap().header(), unsampled);
         let c = t.child();
         assert_eq!(c.trace_id, t.trace_id);
         assert_ne!(c.span_id, t.span_id);

@@ -13,6 +13,8 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -32,18 +34,18 @@ pub struct DlqQuery {
     all: bool,
 }
 
-pub async fn dlq_list(State(state): State<AppState>, Query(q): Query<DlqQuery>) -> Response {
+pub async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
     match dlq::list(&state.pool, q.plugin.as_deref(), q.all).await {
         Ok(letters) => Json(letters).into_response(),
         Err(e) => database_error(e.into()),
     }
 }
 
-pub async fn dlq_retry(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
+pub async fn dlq_retry(State(state): State<Arc<AppState>>, Path(id): Path<i64>) -> Response {
     resolved(id, "retried", dlq::retry(&state.pool, id).await)
 }
 
-pub async fn dlq_discard(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
+pub async fn dlq_discard(State(state): State<Arc<AppState>>, Path(id): Path<i64>) -> Response {
     resolved(id, "discarded", dlq::discard(&state.pool, id).await)
 }
 
@@ -62,14 +64,14 @@ pub struct TimersQuery {
     parked: bool,
 }
 
-pub async fn timers_list(State(state): State<AppState>, Query(q): Query<TimersQuery>) -> Response {
+pub async fn timers_list(State(state): State<Arc<AppState>>, Query(q): Query<TimersQuery>) -> Response {
     match crate::timers::list(&state.pool, q.plugin.as_deref(), q.parked).await {
         Ok(rows) => Json(rows).into_response(),
         Err(e) => database_error(e.into()),
     }
 }
 
-pub async fn timers_cancel(State(state): State<AppState>, Json(id): Json<TimerId>) -> Response {
+pub async fn timers_cancel(State(state): State<Arc<AppState>>, Json(id): Json<TimerId>) -> Response {
     match crate::timers::cancel(&state.pool, &id).await {
         Ok(true) => Json(json!({ "cancelled": id })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "no_timer", "no such timer"),
@@ -77,7 +79,7 @@ pub async fn timers_cancel(State(state): State<AppState>, Json(id): Json<TimerId
     }
 }
 
-pub async fn timers_retry(State(state): State<AppState>, Json(id): Json<TimerId>) -> Response {
+pub async fn timers_retry(State(state): State<Arc<AppState>>, Json(id): Json<TimerId>) -> Response {
     match crate::timers::retry(&state.pool, &id).await {
         Ok(true) => Json(json!({ "retried": id })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "not_parked", "no such parked timer"),
@@ -85,7 +87,7 @@ pub async fn timers_retry(State(state): State<AppState>, Json(id): Json<TimerId>
     }
 }
 
-pub async fn quarantine(State(state): State<AppState>, Query(q): Query<DlqQuery>) -> Response {
+pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
     match dlq::quarantined(&state.pool, q.plugin.as_deref()).await {
         Ok(rows) => Json(rows).into_response(),
         Err(e) => database_error(e.into()),
@@ -94,7 +96,7 @@ pub async fn quarantine(State(state): State<AppState>, Query(q): Query<DlqQuery>
 
 /// Publishes the stored events the filter selects again, through a producer of its own (the
 /// relay's is not shared: a replay must not hold up new events, nor they it).
-pub async fn outbox_replay(State(state): State<AppState>, Json(filter): Json<ReplayFilter>) -> Response {
+pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Json<ReplayFilter>) -> Response {
     if filter.is_empty() {
         return error_response(StatusCode::BAD_REQUEST, "bad_request", crate::outbox::replay::NO_FILTER);
     }
@@ -148,7 +150,7 @@ pub struct CatalogQuery {
     format: Option<String>,
 }
 
-pub async fn catalog(State(state): State<AppState>, Query(q): Query<CatalogQuery>) -> Response {
+pub async fn catalog(State(state): State<Arc<AppState>>, Query(q): Query<CatalogQuery>) -> Response {
     let manifests: Vec<_> = state.registry.plugins().iter().map(|p| p.manifest.clone()).collect();
     let catalog = crate::catalog::build(&state.service, &state.kafka.topic_prefix, &manifests);
     match q.format.as_deref() {

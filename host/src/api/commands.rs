@@ -1,6 +1,8 @@
 //! `POST /v1/commands/{plugin}/{command}`: the body is the command's JSON payload. An
 //! optional `Idempotency-Key` header makes a retry return the stored answer.
 
+use std::sync::Arc;
+
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
@@ -16,7 +18,7 @@ use crate::trace::TraceContext;
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 
 pub async fn run(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     path: Result<Path<(String, String)>, PathRejection>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -50,7 +52,7 @@ pub async fn run(
 }
 
 async fn handle(
-    state: AppState,
+    state: Arc<AppState>,
     path: Result<Path<(String, String)>, PathRejection>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,

@@ -29,7 +29,7 @@ use crate::runtime::registry::Registry;
 
 pub use errors::error_response;
 
-#[derive(Clone)]
+/// What the handlers share, behind one `Arc`: a request clones a pointer, not the state.
 pub struct AppState {
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,
@@ -77,15 +77,15 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
             http.request_timeout,
         ))
         .layer(axum::middleware::map_response(errors::json_errors))
-        .with_state(state)
+        .with_state(Arc::new(state))
 }
 
-async fn plugins(State(state): State<AppState>) -> Response {
+async fn plugins(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({ "plugins": state.registry.status() })).into_response()
 }
 
 /// A summary of what the host is doing, for `obx status` and dashboards.
-async fn status(State(state): State<AppState>) -> Response {
+async fn status(State(state): State<Arc<AppState>>) -> Response {
     let db = async {
         let outbox = crate::outbox::backlog(&state.pool).await?;
         let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
@@ -136,7 +136,7 @@ async fn healthz() -> Response {
 }
 
 /// Readiness: plugins are loaded, shutdown has not begun, and Postgres answers.
-async fn readyz(State(state): State<AppState>) -> Response {
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if !state.ready.load(Ordering::SeqCst) {
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -155,7 +155,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
