@@ -11,9 +11,8 @@
 //! * `GET /v1/timers?plugin=&parked=` — durable timers, earliest due first;
 //! * `POST /v1/timers/cancel`, `POST /v1/timers/retry` with `{"plugin", "name", "key"}`.
 
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
