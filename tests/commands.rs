@@ -2,6 +2,8 @@
 //! outbox rows together; every way a handler can fail leaves neither; idempotency keys;
 //! HTTP errors with stable codes and no leaked internals.
 
+use std::time::Duration;
+
 use obx_tests::{spawn_host, TestHost};
 use serde_json::json;
 
@@ -275,20 +277,49 @@ async fn concurrent_requests_with_one_key_run_the_handler_once() {
 
 /// Sessions are not pinged before a call: when every session of a plugin has ended (a server
 /// restart, an operator), the next calls still find a live one, however many were pooled.
+///
+/// The calls that fill the pool wait on a row lock the test holds, not on CPU: a statement
+/// that burns CPU for long enough to overlap ten calls ran past the call deadline on a
+/// loaded machine.
 #[tokio::test]
 async fn when_every_pooled_session_has_ended_the_next_commands_still_run() {
     let host = std::sync::Arc::new(spawn_host(&["testbed"]).await);
-    let slow = json!({ "id": "s", "sql": "SELECT count(*) FROM generate_series(1, 2000000)" });
+    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let mut gate = host.db.begin().await.unwrap();
+    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let wait = json!({
+        "id": "s", "mode": "execute",
+        "sql": "UPDATE counters SET n = n + 1 WHERE name = 'gate'",
+    });
     let busy: Vec<_> = (0..10)
         .map(|_| {
-            let (host, slow) = (host.clone(), slow.clone());
-            tokio::spawn(async move { host.command("testbed", "sql", slow).await.status })
+            let (host, wait) = (host.clone(), wait.clone());
+            tokio::spawn(async move { host.command("testbed", "sql", wait).await })
         })
         .collect();
-    for task in busy {
-        assert_eq!(task.await.unwrap(), 200);
-    }
     let role = host.plugin_role("testbed").await;
+    let waiting =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND wait_event_type = 'Lock'");
+    // Released within the plugin role's lock_timeout (1 s): as soon as five calls wait.
+    let started = std::time::Instant::now();
+    while host.count(&waiting).await < 5 && started.elapsed() < Duration::from_millis(600) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.commit().await.unwrap();
+    for task in busy {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    assert_eq!(
+        host.count("SELECT n FROM testbed.counters WHERE name = 'gate'").await,
+        10
+    );
     let pooled = format!("SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}'");
     assert!(host.count(&pooled).await >= 5, "the calls ran on several sessions");
     let ended = host
