@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host};
+use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host, spawn_host_with};
 use serde_json::json;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -16,7 +16,10 @@ use tracing_subscriber::Layer;
 /// Spans as they were opened: name and fields.
 type Spans = Arc<Mutex<Vec<(String, HashMap<String, String>)>>>;
 
-struct Capture(Spans);
+/// Events at WARN and above, as text: target and fields.
+type Events = Arc<Mutex<Vec<String>>>;
+
+struct Capture(Spans, Events);
 
 struct Fields<'a>(&'a mut HashMap<String, String>);
 
@@ -38,18 +41,36 @@ impl<S: tracing::Subscriber> Layer<S> for Capture {
             .unwrap()
             .push((attrs.metadata().name().to_string(), fields));
     }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        if *event.metadata().level() > tracing::Level::WARN {
+            return;
+        }
+        let mut fields = HashMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.1
+            .lock()
+            .unwrap()
+            .push(format!("{} {fields:?}", event.metadata().target()));
+    }
+}
+
+fn captured() -> &'static (Spans, Events) {
+    static CAPTURED: OnceLock<(Spans, Events)> = OnceLock::new();
+    CAPTURED.get_or_init(|| {
+        let (spans, events) = (Spans::default(), Events::default());
+        let subscriber = tracing_subscriber::registry().with(Capture(spans.clone(), events.clone()));
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this binary");
+        (spans, events)
+    })
 }
 
 fn spans() -> Spans {
-    static SPANS: OnceLock<Spans> = OnceLock::new();
-    SPANS
-        .get_or_init(|| {
-            let spans = Spans::default();
-            let subscriber = tracing_subscriber::registry().with(Capture(spans.clone()));
-            tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this binary");
-            spans
-        })
-        .clone()
+    captured().0.clone()
+}
+
+fn events() -> Events {
+    captured().1.clone()
 }
 
 #[tokio::test]
@@ -245,4 +266,95 @@ async fn metrics_move_as_events_flow() {
     assert_eq!(testbed["dead_letters"], 1, "{status}");
     assert!(status["plugins"].as_array().unwrap().len() >= 2);
     host.shutdown().await;
+}
+
+/// A slow commit is logged, by the host, without the values it carried: a commit's round
+/// trip holds the events' payloads as text, which a database driver's slow-statement log
+/// would print whole.
+#[tokio::test]
+async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
+    let events = events();
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.lock_timeout = Duration::from_secs(20);
+        c.limits.statement_timeout = Duration::from_secs(20);
+    })
+    .await;
+    let host = Arc::new(host);
+    // The commit's outbox insert waits for this lock, for longer than the slow threshold.
+    let mut lock = host.db.begin().await.unwrap();
+    sqlx::query("LOCK TABLE obx.outbox_event IN SHARE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let marker = "card-4111-1111-kept-out-of-logs";
+    let call = {
+        let host = host.clone();
+        tokio::spawn(async move {
+            host.command(
+                "testbed",
+                "emit",
+                json!({ "id": "slow", "payload": { "card": marker } }),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    lock.commit().await.unwrap();
+    let answer = call.await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let stored = host
+        .count(&format!(
+            "SELECT count(*) FROM obx.outbox_event WHERE payload->>'card' = '{marker}'"
+        ))
+        .await;
+    assert_eq!(stored, 1, "the event was committed");
+    let logged = events.lock().unwrap().join("\n");
+    assert!(logged.contains("a plugin session's commit was slow"), "{logged}");
+    assert!(!logged.contains(marker), "a payload reached the log: {logged}");
+}
+
+/// A slow plugin statement is logged with the start of its text and the plugin's name, and
+/// without the values bound to it.
+#[tokio::test]
+async fn a_slow_plugin_statement_is_logged_without_its_values() {
+    let events = events();
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.lock_timeout = Duration::from_secs(20);
+        c.limits.statement_timeout = Duration::from_secs(20);
+        c.limits.call_deadline = Duration::from_secs(20);
+    })
+    .await;
+    let host = Arc::new(host);
+    let marker = "secret-name-kept-out-of-logs";
+    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ($1, 0)")
+        .bind(marker)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let mut lock = host.db.begin().await.unwrap();
+    sqlx::query("SELECT n FROM testbed.counters WHERE name = $1 FOR UPDATE")
+        .bind(marker)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    // Waits for the test's lock.
+    let statement = "UPDATE counters SET n = n + 1 WHERE name = $1";
+    let call = {
+        let host = host.clone();
+        tokio::spawn(async move {
+            let sql = json!({ "id": "s", "mode": "execute", "sql": statement, "params": [marker] });
+            host.command("testbed", "sql", sql).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    lock.commit().await.unwrap();
+    let answer = call.await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let logged = events.lock().unwrap().join("\n");
+    let line = logged
+        .lines()
+        .find(|l| l.contains("a plugin statement was slow") && l.contains(statement));
+    let line = line.unwrap_or_else(|| panic!("no slow-statement line: {logged}"));
+    assert!(line.contains("\"plugin\": \"testbed\""), "{line}");
+    assert!(!logged.contains(marker), "a bound value reached the log: {logged}");
 }

@@ -22,11 +22,11 @@ use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{Executor, PgConnection, PgPool, Postgres, Row};
+use sqlx::{ConnectOptions, Executor, PgConnection, PgPool, Postgres, Row};
 
 use super::login::Login;
 use crate::config::DatabaseConfig;
@@ -80,6 +80,9 @@ const CHECK: &str = "SELECT * FROM obx_api.call_check()";
 /// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
 /// same round trip, so that it also clears what plugin code did during the commit.
 const CLEAR: &str = "CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; DISCARD TEMP; DISCARD SEQUENCES";
+/// A plugin statement or commit that takes this long is logged (by the host, without the
+/// values it carried).
+pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
 /// How many sessions a call tries before it gives up on finding one that SQL left no
 /// prepared statement on.
 const BEGIN_ATTEMPTS: usize = 3;
@@ -113,7 +116,11 @@ impl Sessions {
             .username(&login.role)
             .password(&login.password)
             .application_name(&format!("obx:{name}"))
-            .options(login.settings.iter().map(|(k, v)| (*k, v)));
+            .options(login.settings.iter().map(|(k, v)| (*k, v)))
+            // sqlx would log a slow statement's whole text, and the host's text on these
+            // sessions carries event payloads and stored answers (the commit's round trip):
+            // the host logs slow statements and commits itself, without their values.
+            .disable_statement_logging();
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .min_connections(0)
@@ -346,9 +353,17 @@ impl PluginTx {
         let conn = self.conn.as_mut().expect("open until consumed");
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
+            let sent = Instant::now();
             let rows = (&mut **conn)
                 .fetch_all(format!("{CHECK}; {at_commit}COMMIT; {CLEAR}").as_str())
-                .await?;
+                .await;
+            if sent.elapsed() >= SLOW_STATEMENT {
+                tracing::warn!(
+                    role = %self.role, elapsed_ms = sent.elapsed().as_millis() as u64,
+                    ok = rows.is_ok(), "a plugin session's commit was slow"
+                );
+            }
+            let rows = rows?;
             let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
             if started != self.started {
                 tampered(&self.role, "the plugin ended the host's transaction itself");

@@ -17,6 +17,7 @@ use sqlx::postgres::{PgArgumentBuffer, PgArguments, PgDatabaseError, PgRow, PgTy
 use sqlx::{Arguments, Column, Decode, Encode, Postgres, Row, Type, TypeInfo, ValueRef};
 use uuid::Uuid;
 
+use crate::db::sessions::SLOW_STATEMENT;
 use crate::runtime::bindings::sql::{self as wit, DatabaseError, Host, RowSet, SqlError};
 use crate::runtime::bindings::types::SqlValue;
 use crate::runtime::state::CallState;
@@ -75,6 +76,7 @@ impl CallState {
         let sql = format!("{checked} /* obx:{signature} */");
         let (max_rows, max_bytes) = (self.limits.max_rows as usize, self.limits.max_result_bytes);
         let tx = self.tx.as_mut().expect("checked above");
+        let sent = std::time::Instant::now();
         let mut overflowed = false;
         let result = match mode {
             Mode::Execute => sqlx::query_with(&sql, args)
@@ -128,12 +130,28 @@ impl CallState {
             // The rest of the result is still coming: never read it.
             tx.poison();
         }
+        if sent.elapsed() >= SLOW_STATEMENT {
+            tracing::warn!(
+                plugin = %self.plugin.name, elapsed_ms = sent.elapsed().as_millis() as u64,
+                statement = statement_head(&checked), "a plugin statement was slow"
+            );
+        }
         if let Err(e) = &result {
             // The statement ran, or half ran: this call can only roll back now.
             self.fail(format!("a statement failed: {}", describe(e)));
         }
         result
     }
+}
+
+/// The start of a statement's text, for a log line: its values travel as parameters and are
+/// not in it, but a statement may be long.
+fn statement_head(statement: &str) -> &str {
+    let mut end = statement.len().min(200);
+    while !statement.is_char_boundary(end) {
+        end -= 1;
+    }
+    &statement[..end]
 }
 
 fn describe(e: &SqlError) -> String {
