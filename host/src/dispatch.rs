@@ -564,7 +564,9 @@ impl Dispatcher {
             trace_id = %trace.trace_id(),
         );
         let started = Instant::now();
+        let call = call_span(plugin, "handle-timer", &trace);
         let output = self.runtime.handle_timer(plugin, tx, timer).instrument(span).await;
+        end_call_span(call, &output.result, output.events.len());
         let outcome = handled(plugin, output, &trace);
         if let Err(failure) = &outcome {
             otel.fail(failure.error.clone());

@@ -291,3 +291,82 @@ fn assert_published<'a>(tree: &Tree<'a>, outbox: &Span) -> &'a Span {
     );
     publish
 }
+
+/// A timer's firing is a trace of its own: the `timer` span, with the guest call under it,
+/// as an event's handling has its `call ... handle-event`.
+#[test]
+fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (endpoint, received) = rt.block_on(receiver());
+    let Served {
+        mut child,
+        log,
+        base,
+        _plugins,
+    } = serve_with(
+        &[],
+        &["testbed"],
+        &[
+            ("OBX_TELEMETRY__OTLP_ENDPOINT", &endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let client = reqwest::Client::new();
+    rt.block_on(async {
+        wait_ready(&client, &base, Duration::from_secs(180)).await;
+        let scheduled = client
+            .post(format!("{base}/v1/commands/testbed/schedule"))
+            .json(&serde_json::json!({ "id": "t", "name": "ring", "key": "k-1", "delay_ms": 0 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(scheduled.status(), 200);
+        let started = Instant::now();
+        let fired = |spans: &[(String, Span)]| spans.iter().any(|(_, s)| s.name == "call testbed handle-timer");
+        while !fired(&received.lock().unwrap()) {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no timer call span in 60 s; received: {:?}",
+                received
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(_, s)| &s.name)
+                    .collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let status = stop(&mut child);
+    let log = log.join().unwrap().join("\n");
+    assert!(status.success(), "exit status {status}; log:\n{log}");
+
+    let received = received.lock().unwrap();
+    let timer = received
+        .iter()
+        .map(|(_, s)| s)
+        .find(|s| s.name == "timer ring")
+        .unwrap_or_else(|| {
+            panic!(
+                "no timer span: {:?}",
+                received.iter().map(|(_, s)| &s.name).collect::<Vec<_>>()
+            )
+        });
+    let tree = Tree {
+        spans: received
+            .iter()
+            .filter(|(_, s)| s.trace_id == timer.trace_id)
+            .map(|(_, s)| (&s.span_id[..], s))
+            .collect(),
+    };
+    assert_eq!(attribute(timer, "obx.plugin").as_deref(), Some("testbed"));
+    let call = tree.only_child(timer, "call testbed handle-timer", None);
+    assert_eq!(
+        attribute(call, "obx.plugin.version").as_deref().map(str::is_empty),
+        Some(false)
+    );
+    for span in tree.spans.values() {
+        let failed = span.status.as_ref().is_some_and(|s| s.code == 2);
+        assert!(!failed, "{} failed: {:?}", span.name, span.status);
+    }
+}
