@@ -119,6 +119,19 @@ impl<'a> Tree<'a> {
     }
 }
 
+/// Waits up to 60 s for the receiver to have a span that `wanted` picks.
+async fn wait_for_span(received: &Received, wanted: impl Fn(&Span) -> bool) {
+    let started = Instant::now();
+    while !received.lock().unwrap().iter().any(|(_, s)| wanted(s)) {
+        let names: Vec<String> = received.lock().unwrap().iter().map(|(_, s)| s.name.clone()).collect();
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not the span awaited in 60 s; received: {names:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 const CHAIN: &[&str] = &["orders", "inventory", "payments", "shipping", "notifications"];
 /// Each event of the chain and the plugin that handles it.
 const HANDLED: &[(&str, &str)] = &[
@@ -181,26 +194,8 @@ fn one_order_is_one_span_tree_from_the_http_request_to_the_last_plugin_of_the_ch
         let answered = order.headers()["traceparent"].to_str().unwrap().to_string();
         assert!(answered.starts_with(&format!("00-{CALLER_TRACE}-")), "{answered}");
         // The chain's end: the last plugin's event, published.
-        let started = Instant::now();
         let last = "publish notification.events";
-        while !received
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(_, s)| s.trace_id == trace_id && s.name == last)
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "no {last:?} span in 60 s; received: {:?}",
-                received
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(_, s)| &s.name)
-                    .collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for_span(&received, |s| s.trace_id == trace_id && s.name == last).await;
     });
     let status = stop(&mut child);
     let log = log.join().unwrap().join("\n");
@@ -321,21 +316,7 @@ fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
             .await
             .unwrap();
         assert_eq!(scheduled.status(), 200);
-        let started = Instant::now();
-        let fired = |spans: &[(String, Span)]| spans.iter().any(|(_, s)| s.name == "call testbed handle-timer");
-        while !fired(&received.lock().unwrap()) {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "no timer call span in 60 s; received: {:?}",
-                received
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(_, s)| &s.name)
-                    .collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for_span(&received, |s| s.name == "call testbed handle-timer").await;
     });
     let status = stop(&mut child);
     let log = log.join().unwrap().join("\n");
