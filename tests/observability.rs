@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host, spawn_host_with};
+use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host, spawn_host_with, TestHost};
 use serde_json::json;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -268,18 +268,25 @@ async fn metrics_move_as_events_flow() {
     host.shutdown().await;
 }
 
+/// A host with the testbed plugin whose calls wait for the tests' locks (20 s) rather than
+/// failing, so that a statement or a commit can be made slow on purpose.
+async fn patient_host() -> Arc<TestHost> {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.lock_timeout = Duration::from_secs(20);
+        c.limits.statement_timeout = Duration::from_secs(20);
+        c.limits.call_deadline = Duration::from_secs(20);
+    })
+    .await;
+    Arc::new(host)
+}
+
 /// A slow commit is logged, by the host, without the values it carried: a commit's round
 /// trip holds the events' payloads as text, which a database driver's slow-statement log
 /// would print whole.
 #[tokio::test]
 async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
     let events = events();
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.limits.lock_timeout = Duration::from_secs(20);
-        c.limits.statement_timeout = Duration::from_secs(20);
-    })
-    .await;
-    let host = Arc::new(host);
+    let host = patient_host().await;
     // The commit's outbox insert waits for this lock, for longer than the slow threshold.
     let mut lock = host.db.begin().await.unwrap();
     sqlx::query("LOCK TABLE obx.outbox_event IN SHARE MODE")
@@ -309,8 +316,47 @@ async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
         .await;
     assert_eq!(stored, 1, "the event was committed");
     let logged = events.lock().unwrap().join("\n");
-    assert!(logged.contains("a plugin session's commit was slow"), "{logged}");
+    let line = logged
+        .lines()
+        .find(|l| l.contains("a plugin session's round trip was slow") && l.contains("\"step\": \"commit\""));
+    assert!(line.is_some(), "no slow-commit line: {logged}");
     assert!(!logged.contains(marker), "a payload reached the log: {logged}");
+}
+
+/// A slow `BEGIN` (here, an `Idempotency-Key` claim that waits for a lock) is logged as the
+/// commit is: its duration, not the key it carried.
+#[tokio::test]
+async fn a_slow_begin_is_logged_without_the_key_it_claimed() {
+    let events = events();
+    let host = patient_host().await;
+    // The claim's insert waits for this lock, for longer than the slow threshold.
+    let mut lock = host.db.begin().await.unwrap();
+    sqlx::query("LOCK TABLE obx.idempotency_key IN EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let key = "key-of-customer-7-kept-out-of-logs";
+    let call = {
+        let host = host.clone();
+        tokio::spawn(async move {
+            let body = json!({ "id": "claimed", "payload": {} });
+            host.command_with_key("testbed", "emit", body, key).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    lock.commit().await.unwrap();
+    let answer = call.await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let claimed = host
+        .count(&format!("SELECT count(*) FROM obx.idempotency_key WHERE key = '{key}'"))
+        .await;
+    assert_eq!(claimed, 1, "the key was claimed and answered");
+    let logged = events.lock().unwrap().join("\n");
+    let line = logged
+        .lines()
+        .find(|l| l.contains("a plugin session's round trip was slow") && l.contains("\"step\": \"begin\""));
+    assert!(line.is_some(), "no slow-begin line: {logged}");
+    assert!(!logged.contains(key), "an Idempotency-Key reached the log: {logged}");
 }
 
 /// A slow plugin statement is logged with the start of its text and the plugin's name, and
@@ -318,13 +364,7 @@ async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
 #[tokio::test]
 async fn a_slow_plugin_statement_is_logged_without_its_values() {
     let events = events();
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.limits.lock_timeout = Duration::from_secs(20);
-        c.limits.statement_timeout = Duration::from_secs(20);
-        c.limits.call_deadline = Duration::from_secs(20);
-    })
-    .await;
-    let host = Arc::new(host);
+    let host = patient_host().await;
     let marker = "secret-name-kept-out-of-logs";
     sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ($1, 0)")
         .bind(marker)

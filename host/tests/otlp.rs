@@ -19,7 +19,7 @@ use prost::Message as _;
 
 mod common;
 
-use common::{serve_with, stop, wait_ready, Served};
+use common::{serve_with, stop, wait_ready, KillOnDrop, Served};
 
 /// What the receiver was sent: each span with its resource's `service.name`.
 type Received = Arc<Mutex<Vec<(String, Span)>>>;
@@ -144,25 +144,37 @@ const HANDLED: &[(&str, &str)] = &[
 const CALLER_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
 const CALLER_SPAN: &str = "b7ad6b7169203331";
 
-#[test]
-fn one_order_is_one_span_tree_from_the_http_request_to_the_last_plugin_of_the_chain() {
+/// `obx serve` with `plugins` and `env`, exporting its traces every 100 ms (rather than every
+/// 5 s) to a receiver of this test's, which runs on the returned runtime.
+fn serve_exporting(plugins: &[&str], env: &[(&str, &str)]) -> (tokio::runtime::Runtime, Received, Served) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (endpoint, received) = rt.block_on(receiver());
+    let mut all = vec![
+        ("OBX_TELEMETRY__OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    all.extend_from_slice(env);
+    let served = serve_with(&[], plugins, &all);
+    (rt, received, served)
+}
+
+/// Stops the host, asserts it exited cleanly, and returns its log.
+fn stop_cleanly(child: &mut KillOnDrop, log: std::thread::JoinHandle<Vec<String>>) -> String {
+    let status = stop(child);
+    let log = log.join().unwrap().join("\n");
+    assert!(status.success(), "exit status {status}; log:\n{log}");
+    log
+}
+
+#[test]
+fn one_order_is_one_span_tree_from_the_http_request_to_the_last_plugin_of_the_chain() {
+    let (rt, received, served) = serve_exporting(CHAIN, &[("OTEL_SERVICE_NAME", "shop")]);
     let Served {
         mut child,
         log,
         base,
         _plugins,
-    } = serve_with(
-        &[],
-        CHAIN,
-        &[
-            ("OBX_TELEMETRY__OTLP_ENDPOINT", &endpoint),
-            ("OTEL_SERVICE_NAME", "shop"),
-            // Export every 100 ms rather than every 5 s.
-            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ],
-    );
+    } = served;
     let trace_id = hex::decode(CALLER_TRACE).unwrap();
     let client = reqwest::Client::new();
     rt.block_on(async {
@@ -197,9 +209,7 @@ fn one_order_is_one_span_tree_from_the_http_request_to_the_last_plugin_of_the_ch
         let last = "publish notification.events";
         wait_for_span(&received, |s| s.trace_id == trace_id && s.name == last).await;
     });
-    let status = stop(&mut child);
-    let log = log.join().unwrap().join("\n");
-    assert!(status.success(), "exit status {status}; log:\n{log}");
+    let log = stop_cleanly(&mut child, log);
     assert!(log.contains("exporting traces over OTLP"), "{log}");
 
     let received = received.lock().unwrap();
@@ -291,21 +301,13 @@ fn assert_published<'a>(tree: &Tree<'a>, outbox: &Span) -> &'a Span {
 /// as an event's handling has its `call ... handle-event`.
 #[test]
 fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let (endpoint, received) = rt.block_on(receiver());
+    let (rt, received, served) = serve_exporting(&["testbed"], &[]);
     let Served {
         mut child,
         log,
         base,
         _plugins,
-    } = serve_with(
-        &[],
-        &["testbed"],
-        &[
-            ("OBX_TELEMETRY__OTLP_ENDPOINT", &endpoint),
-            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ],
-    );
+    } = served;
     let client = reqwest::Client::new();
     rt.block_on(async {
         wait_ready(&client, &base, Duration::from_secs(180)).await;
@@ -318,9 +320,7 @@ fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
         assert_eq!(scheduled.status(), 200);
         wait_for_span(&received, |s| s.name == "call testbed handle-timer").await;
     });
-    let status = stop(&mut child);
-    let log = log.join().unwrap().join("\n");
-    assert!(status.success(), "exit status {status}; log:\n{log}");
+    stop_cleanly(&mut child, log);
 
     let received = received.lock().unwrap();
     let timer = received

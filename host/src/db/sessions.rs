@@ -215,7 +215,9 @@ impl Sessions {
             } else {
                 std::borrow::Cow::Owned(format!("{BEGIN}; {then}"))
             };
+            let sent = Instant::now();
             let rows = (&mut *conn).fetch_all(&*sql).await;
+            warn_if_slow(&role, "begin", sent, rows.is_ok());
             let row = rows.and_then(|mut rows| {
                 let first = rows.first().ok_or(sqlx::Error::RowNotFound)?;
                 let read = (
@@ -276,6 +278,17 @@ impl Sessions {
         for pool in pools {
             pool.close().await;
         }
+    }
+}
+
+/// Logs a host round trip on a plugin session (`step`: its `BEGIN`, with the call's
+/// Idempotency-Key claim, or its commit) that took [`SLOW_STATEMENT`] or more: the role and
+/// the duration, never the text, which carries the call's keys, payloads and answers.
+fn warn_if_slow(role: &str, step: &'static str, sent: Instant, ok: bool) {
+    let elapsed = sent.elapsed();
+    if elapsed >= SLOW_STATEMENT {
+        let elapsed_ms = elapsed.as_millis() as u64;
+        tracing::warn!(role, step, elapsed_ms, ok, "a plugin session's round trip was slow");
     }
 }
 
@@ -357,12 +370,7 @@ impl PluginTx {
             let rows = (&mut **conn)
                 .fetch_all(format!("{CHECK}; {at_commit}COMMIT; {CLEAR}").as_str())
                 .await;
-            if sent.elapsed() >= SLOW_STATEMENT {
-                tracing::warn!(
-                    role = %self.role, elapsed_ms = sent.elapsed().as_millis() as u64,
-                    ok = rows.is_ok(), "a plugin session's commit was slow"
-                );
-            }
+            warn_if_slow(&self.role, "commit", sent, rows.is_ok());
             let rows = rows?;
             let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
             if started != self.started {
