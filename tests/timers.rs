@@ -312,6 +312,54 @@ async fn a_plugin_cannot_reach_another_plugins_timers() {
     host.shutdown().await;
 }
 
+/// A timer keeps the trace context of the call that scheduled it (its firing links back to
+/// it): checked like the rest of a schedule, read back only by the plugin's own sessions, and
+/// a host of the previous version, which schedules without one, still can.
+#[tokio::test]
+async fn a_timer_keeps_its_scheduling_trace_context_within_its_limits() {
+    use sqlx::Connection;
+    let host = spawn_host(&["testbed", "legacy"]).await;
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 60_000 })).await,
+        200
+    );
+    let recorded = "SELECT count(*) FROM obx.timer WHERE traceparent LIKE '00-%'";
+    assert_eq!(
+        host.count(recorded).await,
+        1,
+        "the command's trace context was recorded"
+    );
+
+    let mut legacy = host.plugin_session("legacy").await;
+    let long = "x".repeat(129);
+    let refused = sqlx::query("SELECT obx_api.timer_schedule('t', 'k', 0, '{}', $1)")
+        .bind(&long)
+        .execute(&mut legacy)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("trace context"), "{refused}");
+    let mut tx = legacy.begin().await.unwrap();
+    let taken: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT name, traceparent FROM obx_api.timer_take_traced(10)")
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    assert!(taken.is_empty(), "another plugin's timer was taken: {taken:?}");
+    tx.rollback().await.unwrap();
+    legacy.close().await.unwrap();
+
+    // What a host of the previous version sends: the schedule is replaced, with no context.
+    let mut testbed = host.plugin_session("testbed").await;
+    sqlx::query("SELECT obx_api.timer_schedule('t', 'k', 60000, '{}')")
+        .execute(&mut testbed)
+        .await
+        .unwrap();
+    testbed.close().await.unwrap();
+    assert_eq!(host.count(recorded).await, 0);
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 1);
+    host.shutdown().await;
+}
+
 /// A component built against obx:plugin@0.2.0 runs next to 0.2.1 ones, unchanged: the host
 /// links both, and says which version each targets.
 #[tokio::test]

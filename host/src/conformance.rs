@@ -208,7 +208,7 @@ async fn call_event(
         attempt: 1,
     };
     let tx = sessions.begin(&plugin.manifest.name).await?;
-    let out = runtime.handle_event(plugin, tx, event).await;
+    let out = runtime.handle_event(plugin, tx, event, None).await;
     if let Some(tx) = out.tx {
         let _ = tx.rollback().await;
     }
@@ -229,7 +229,7 @@ async fn call_command(
         payload: "{}".into(),
         request_id: "conformance".into(),
     };
-    let out = runtime.handle_command(plugin, tx, command).await;
+    let out = runtime.handle_command(plugin, tx, command, None).await;
     if let Some(tx) = out.tx {
         let _ = tx.rollback().await;
     }

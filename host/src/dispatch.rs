@@ -309,7 +309,7 @@ impl Dispatcher {
             request_id: req.request_id.clone(),
         };
         let call = call_span(&plugin, "handle-command", trace);
-        let CallOutput { result, tx, events } = self.runtime.handle_command(&plugin, tx, command).await;
+        let CallOutput { result, tx, events } = self.runtime.handle_command(&plugin, tx, command, Some(*trace)).await;
         end_call_span(call, &result, events.len());
         let Some(mut tx) = tx else {
             return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
@@ -528,7 +528,7 @@ impl Dispatcher {
     ) -> Result<(PluginTx, Emitted), EventFailure> {
         let started = Instant::now();
         let call = call_span(plugin, "handle-event", trace);
-        let output = self.runtime.handle_event(plugin, tx, event).await;
+        let output = self.runtime.handle_event(plugin, tx, event, Some(*trace)).await;
         end_call_span(call, &output.result, output.events.len());
         let outcome = handled(plugin, output, trace);
         tracing::trace!(took = ?started.elapsed(), "event handler");
@@ -541,14 +541,16 @@ impl Dispatcher {
         outcome
     }
 
-    /// Runs `handle-timer` in `tx`, as [`Dispatcher::call_event`] runs `handle-event`.
+    /// Runs `handle-timer` in `tx`, as [`Dispatcher::call_event`] runs `handle-event`, in a
+    /// trace of its own, linked to `scheduled_in` (the span of the call that scheduled it).
     pub async fn call_timer(
         &self,
         plugin: &Plugin,
         tx: PluginTx,
         timer: timer_guest::Timer,
+        scheduled_in: Option<&TraceContext>,
     ) -> Result<(PluginTx, Emitted), EventFailure> {
-        let mut otel = otel::Span::start(format!("timer {}", timer.name), Kind::Internal, None);
+        let mut otel = otel::Span::start_linked(format!("timer {}", timer.name), Kind::Internal, scheduled_in);
         if otel.recording() {
             otel.set("obx.plugin", plugin.manifest.name.clone());
             otel.set("obx.timer.name", timer.name.clone());
@@ -562,10 +564,15 @@ impl Dispatcher {
             key = %timer.key,
             attempt = timer.attempt,
             trace_id = %trace.trace_id(),
+            scheduled_in_trace = %scheduled_in.map(TraceContext::trace_id).unwrap_or_default(),
         );
         let started = Instant::now();
         let call = call_span(plugin, "handle-timer", &trace);
-        let output = self.runtime.handle_timer(plugin, tx, timer).instrument(span).await;
+        let output = self
+            .runtime
+            .handle_timer(plugin, tx, timer, Some(trace))
+            .instrument(span)
+            .await;
         end_call_span(call, &output.result, output.events.len());
         let outcome = handled(plugin, output, &trace);
         if let Err(failure) = &outcome {

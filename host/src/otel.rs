@@ -14,6 +14,10 @@
 //!          └─ outbox insert                 ... and so on down the chain
 //! ```
 //!
+//! A timer's firing is a trace of its own (a timer that schedules itself again would
+//! otherwise grow one trace for ever): `timer <name>`, with `call <plugin> handle-timer`
+//! under it, and a link to the span of the command, event or timer that scheduled it.
+//!
 //! Span ids come from the SDK when exporting is on (so that its sampler decides, and the
 //! ids the logs and the outbox rows carry are those of exported spans), and from
 //! [`TraceContext`] otherwise. With exporting off, the spans that the log shows too (a
@@ -26,7 +30,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use opentelemetry::trace::{
-    Span as _, SpanContext, SpanId, Status, TraceContextExt as _, TraceFlags, TraceId, TraceState, Tracer as _,
+    Link, Span as _, SpanContext, SpanId, Status, TraceContextExt as _, TraceFlags, TraceId, TraceState, Tracer as _,
 };
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
@@ -160,6 +164,21 @@ impl Span {
 
     /// Starts a span under `parent` (a new trace when there is none).
     pub fn start(name: impl Into<Cow<'static, str>>, kind: Kind, parent: Option<&TraceContext>) -> Span {
+        Span::start_with(name, kind, parent, None)
+    }
+
+    /// Starts a span in a new trace, linked to `cause` (the work that led to it, done
+    /// earlier in a trace of its own) if there is one.
+    pub fn start_linked(name: impl Into<Cow<'static, str>>, kind: Kind, cause: Option<&TraceContext>) -> Span {
+        Span::start_with(name, kind, None, cause)
+    }
+
+    fn start_with(
+        name: impl Into<Cow<'static, str>>,
+        kind: Kind,
+        parent: Option<&TraceContext>,
+        cause: Option<&TraceContext>,
+    ) -> Span {
         let Some(exporting) = EXPORTING.get() else {
             return Span {
                 inner: None,
@@ -167,10 +186,14 @@ impl Span {
             };
         };
         let cx = parent.map(remote).unwrap_or_default();
+        let links = cause
+            .map(|c| vec![Link::with_context(remote_span_context(c))])
+            .unwrap_or_default();
         let span = exporting
             .tracer
             .span_builder(name)
             .with_kind(kind)
+            .with_links(links)
             .start_with_context(&exporting.tracer, &cx);
         let sc = span.span_context();
         if !sc.is_valid() {
@@ -217,18 +240,23 @@ impl Span {
 }
 
 fn remote(parent: &TraceContext) -> Context {
-    let flags = if parent.sampled {
+    Context::new().with_remote_span_context(remote_span_context(parent))
+}
+
+/// `context`, as a span of another process (or of an earlier time) to link or descend from.
+fn remote_span_context(context: &TraceContext) -> SpanContext {
+    let flags = if context.sampled {
         TraceFlags::SAMPLED
     } else {
         TraceFlags::default()
     };
-    Context::new().with_remote_span_context(SpanContext::new(
-        TraceId::from_bytes(parent.trace_id),
-        SpanId::from_bytes(parent.span_id),
+    SpanContext::new(
+        TraceId::from_bytes(context.trace_id),
+        SpanId::from_bytes(context.span_id),
         flags,
         true,
         TraceState::default(),
-    ))
+    )
 }
 
 /// The exporter's HTTP client: reqwest's blocking client (the batch processor exports from

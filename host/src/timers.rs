@@ -4,7 +4,7 @@
 //! timers (asking again at least every [`IDLE_POLL`], for timers other hosts schedule), then
 //! fires the due timers in batches, each batch one transaction on the plugin's session:
 //!
-//! 1. `obx_api.timer_take(n)` takes the earliest due timers, up to
+//! 1. `obx_api.timer_take_traced(n)` takes the earliest due timers, up to
 //!    `consumer.batch_max_events`, and locks their rows (another host's firing skips them);
 //! 2. each timer's `handle-timer` runs behind a savepoint of its own;
 //! 3. on `ok`, `obx_api.timer_done` deletes the timer (unless the handler scheduled it again);
@@ -39,6 +39,7 @@ use crate::inbox::backoff;
 use crate::runtime::bindings::timer_guest;
 use crate::runtime::registry::Registry;
 use crate::runtime::Plugin;
+use crate::trace::TraceContext;
 
 /// How often an idle host asks for the earliest due time, at the least.
 pub const IDLE_POLL: Duration = Duration::from_millis(250);
@@ -149,7 +150,7 @@ async fn changes_one(pool: &sqlx::PgPool, statement: &str, id: &TimerId) -> sqlx
     Ok(done.rows_affected() == 1)
 }
 
-/// A due timer, as `obx_api.timer_take` returns it.
+/// A due timer, as `obx_api.timer_take_traced` returns it.
 #[derive(sqlx::FromRow)]
 struct Due {
     name: String,
@@ -158,6 +159,8 @@ struct Due {
     due_at: chrono::DateTime<chrono::Utc>,
     generation: i64,
     attempts: i32,
+    /// The trace context of the call that scheduled it, if it was recorded.
+    traceparent: Option<String>,
 }
 
 /// How long a batch may run handlers before it commits what it has done: its timers'
@@ -275,7 +278,7 @@ impl TimerService {
     async fn fire_batch(&self, plugin: &Plugin) -> anyhow::Result<bool> {
         let name = &plugin.manifest.name;
         let mut tx = self.dispatcher.sessions.begin(name).await?;
-        let due: Vec<Due> = sqlx::query_as("SELECT * FROM obx_api.timer_take($1)")
+        let due: Vec<Due> = sqlx::query_as("SELECT * FROM obx_api.timer_take_traced($1)")
             .bind(self.config.batch_max_events.max(1) as i32)
             .fetch_all(&mut *tx)
             .await?;
@@ -334,7 +337,12 @@ impl TimerService {
             due_at: due.due_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             attempt,
         };
-        let failure = match self.dispatcher.call_timer(plugin, tx, timer).await {
+        let scheduled_in = due.traceparent.as_deref().and_then(TraceContext::parse);
+        let failure = match self
+            .dispatcher
+            .call_timer(plugin, tx, timer, scheduled_in.as_ref())
+            .await
+        {
             Ok((mut back, emitted)) => {
                 // Deferred constraints are checked here, as this timer's own failure, not at
                 // the batch's commit.

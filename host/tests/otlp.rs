@@ -298,9 +298,10 @@ fn assert_published<'a>(tree: &Tree<'a>, outbox: &Span) -> &'a Span {
 }
 
 /// A timer's firing is a trace of its own: the `timer` span, with the guest call under it,
-/// as an event's handling has its `call ... handle-event`.
+/// as an event's handling has its `call ... handle-event`, and a link to the span of the
+/// command that scheduled it.
 #[test]
-fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
+fn a_fired_timer_is_a_trace_of_its_own_linked_to_the_command_that_scheduled_it() {
     let (rt, received, served) = serve_exporting(&["testbed"], &[]);
     let Served {
         mut child,
@@ -314,11 +315,13 @@ fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
         let scheduled = client
             .post(format!("{base}/v1/commands/testbed/schedule"))
             .json(&serde_json::json!({ "id": "t", "name": "ring", "key": "k-1", "delay_ms": 0 }))
+            .header("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
             .send()
             .await
             .unwrap();
         assert_eq!(scheduled.status(), 200);
         wait_for_span(&received, |s| s.name == "call testbed handle-timer").await;
+        wait_for_span(&received, |s| s.name == "command testbed.schedule").await;
     });
     stop_cleanly(&mut child, log);
 
@@ -341,6 +344,19 @@ fn a_fired_timer_is_a_timer_span_with_its_guest_call_under_it() {
             .collect(),
     };
     assert_eq!(attribute(timer, "obx.plugin").as_deref(), Some("testbed"));
+    let caller_trace = hex::decode(CALLER_TRACE).unwrap();
+    assert_ne!(timer.trace_id, caller_trace, "the firing is a trace of its own");
+    let command = received
+        .iter()
+        .map(|(_, s)| s)
+        .find(|s| s.trace_id == caller_trace && s.name == "command testbed.schedule")
+        .expect("the scheduling command's span");
+    let links: Vec<(&[u8], &[u8])> = timer.links.iter().map(|l| (&l.trace_id[..], &l.span_id[..])).collect();
+    assert_eq!(
+        links,
+        [(&command.trace_id[..], &command.span_id[..])],
+        "the timer links to the command that scheduled it"
+    );
     let call = tree.only_child(timer, "call testbed handle-timer", None);
     assert_eq!(
         attribute(call, "obx.plugin.version").as_deref().map(str::is_empty),

@@ -39,6 +39,7 @@ use crate::config::Limits;
 use crate::db::sessions::PluginTx;
 use crate::outbox::NewEvent;
 use crate::sql_policy::PolicyError;
+use crate::trace::TraceContext;
 
 /// How often the epoch advances; a runaway guest is stopped within one tick of its deadline.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
@@ -298,9 +299,15 @@ impl Runtime {
     }
 
     /// Runs `handle-command` in `tx`. The caller commits or rolls back.
-    pub async fn handle_command(&self, plugin: &Plugin, tx: PluginTx, command: guest::Command) -> CallOutput<String> {
+    pub async fn handle_command(
+        &self,
+        plugin: &Plugin,
+        tx: PluginTx,
+        command: guest::Command,
+        trace: Option<TraceContext>,
+    ) -> CallOutput<String> {
         let request_id = command.request_id.clone();
-        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+        self.call(plugin, Some(tx), request_id, trace, |exports, instance, store| {
             Box::pin(async move {
                 let handler = exports.handler.load(&mut *store, &instance)?;
                 handler.call_handle_command(store, &command).await
@@ -310,9 +317,15 @@ impl Runtime {
     }
 
     /// Runs `handle-event` in `tx`. The caller commits or rolls back.
-    pub async fn handle_event(&self, plugin: &Plugin, tx: PluginTx, event: guest::Event) -> CallOutput<()> {
+    pub async fn handle_event(
+        &self,
+        plugin: &Plugin,
+        tx: PluginTx,
+        event: guest::Event,
+        trace: Option<TraceContext>,
+    ) -> CallOutput<()> {
         let request_id = event.event_id.clone();
-        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+        self.call(plugin, Some(tx), request_id, trace, |exports, instance, store| {
             Box::pin(async move {
                 let handler = exports.handler.load(&mut *store, &instance)?;
                 handler.call_handle_event(store, &event).await
@@ -323,9 +336,15 @@ impl Runtime {
 
     /// Runs `handle-timer` in `tx`; the plugin must be [`Plugin::timed`]. The caller commits
     /// or rolls back.
-    pub async fn handle_timer(&self, plugin: &Plugin, tx: PluginTx, timer: timer_guest::Timer) -> CallOutput<()> {
+    pub async fn handle_timer(
+        &self,
+        plugin: &Plugin,
+        tx: PluginTx,
+        timer: timer_guest::Timer,
+        trace: Option<TraceContext>,
+    ) -> CallOutput<()> {
         let request_id = format!("timer {}/{}", timer.name, timer.key);
-        self.call(plugin, Some(tx), request_id, |exports, instance, store| {
+        self.call(plugin, Some(tx), request_id, trace, |exports, instance, store| {
             Box::pin(async move {
                 let Some(indices) = &exports.timer_handler else {
                     return Err(wasmtime::Error::msg("the plugin does not export timer-handler"));
@@ -340,7 +359,7 @@ impl Runtime {
     /// Reads the manifest of a freshly compiled component, with no transaction.
     async fn read_manifest(&self, exports: &Exports, identity: Arc<PluginIdentity>) -> Result<ManifestRead, CallError> {
         let deadline = Instant::now() + self.limits.call_deadline;
-        let state = CallState::new(identity, self.limits.clone(), None, deadline, "manifest".into());
+        let state = CallState::new(identity, self.limits.clone(), None, deadline, "manifest".into(), None);
         let mut store = self.store(state);
         let outcome = async {
             let instance = exports.pre.instantiate_async(&mut store).await?;
@@ -377,7 +396,14 @@ impl Runtime {
         store
     }
 
-    async fn call<T, F>(&self, plugin: &Plugin, tx: Option<PluginTx>, request_id: String, invoke: F) -> CallOutput<T>
+    async fn call<T, F>(
+        &self,
+        plugin: &Plugin,
+        tx: Option<PluginTx>,
+        request_id: String,
+        trace: Option<TraceContext>,
+        invoke: F,
+    ) -> CallOutput<T>
     where
         F: for<'a> FnOnce(
             &'a Exports,
@@ -395,7 +421,7 @@ impl Runtime {
                 events: Vec::new(),
             };
         };
-        let state = CallState::new(plugin.identity.clone(), limits.clone(), tx, deadline, request_id);
+        let state = CallState::new(plugin.identity.clone(), limits.clone(), tx, deadline, request_id, trace);
         let mut store = self.store(state);
         // The epoch callback stops Wasm at the deadline; statements are bounded by the
         // statement timeout. This outer bound is a backstop for anything else.

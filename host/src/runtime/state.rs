@@ -16,6 +16,7 @@ use crate::config::Limits;
 use crate::db::sessions::PluginTx;
 use crate::outbox::NewEvent;
 use crate::runtime::manifest::PayloadContract;
+use crate::trace::TraceContext;
 
 pub struct CallState {
     wasi: WasiCtx,
@@ -38,6 +39,9 @@ pub struct CallState {
     /// Wall-clock deadline of the call, Wasm and SQL together.
     pub(super) deadline: Instant,
     pub(super) request_id: String,
+    /// The trace context of the call's work (its command's, event's or timer's span): the
+    /// timers it schedules record it, and their firings link back to it.
+    pub(super) trace: Option<TraceContext>,
     pub(super) log_lines: u32,
     /// Timers scheduled or cancelled so far.
     pub(super) timer_calls: u32,
@@ -53,6 +57,7 @@ impl CallState {
         tx: Option<PluginTx>,
         deadline: Instant,
         request_id: String,
+        trace: Option<TraceContext>,
     ) -> CallState {
         // WASI for language runtimes only: no preopened directories, no environment, no
         // arguments, no sockets, no name lookup; stdin closed, stdout and stderr discarded.
@@ -77,6 +82,7 @@ impl CallState {
             failure: None,
             deadline,
             request_id,
+            trace,
             log_lines: 0,
             timer_calls: 0,
             declared: Vec::new(),

@@ -8,6 +8,7 @@
 use super::outbox::MAX_DELAY_MS;
 use crate::runtime::bindings::timers::{Host, TimerError};
 use crate::runtime::state::CallState;
+use crate::trace::TraceContext;
 
 /// The most timers one call may schedule or cancel.
 pub(crate) const MAX_TIMER_CALLS: u32 = 1000;
@@ -36,12 +37,14 @@ impl Host for CallState {
         if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&payload) {
             return Err(TimerError::Invalid(format!("the payload is not valid JSON: {e}")));
         }
+        let traceparent = self.trace.as_ref().map(TraceContext::header);
         let tx = self.tx.as_mut().expect("checked by check_timer_call");
-        let run = sqlx::query("SELECT obx_api.timer_schedule($1, $2, $3, $4)")
+        let run = sqlx::query("SELECT obx_api.timer_schedule($1, $2, $3, $4, $5)")
             .bind(&name)
             .bind(&key)
             .bind(delay_ms as i64)
             .bind(&payload)
+            .bind(traceparent)
             .execute(&mut **tx)
             .await;
         if run.is_ok() {
