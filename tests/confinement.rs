@@ -983,3 +983,40 @@ async fn a_plugin_may_not_declare_another_plugins_events() {
     );
     host.shutdown().await;
 }
+
+/// Every function that runs with the host's rights (`SECURITY DEFINER`) pins its search path,
+/// so that a plugin session, whose search path is the plugin's to set, cannot redirect a name
+/// in it to an object of its own; and none of the host's functions is executable by PUBLIC
+/// (a plugin role is granted `obx_api` alone). A migration that forgets either fails here.
+#[tokio::test]
+async fn the_hosts_functions_pin_their_search_path_and_are_not_public() {
+    let host = spawn_host(&["testbed"]).await;
+    let unpinned: Vec<String> = sqlx::query_scalar(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname IN ('obx', 'obx_api') AND p.prosecdef \
+           AND NOT coalesce(p.proconfig @> ARRAY['search_path=pg_catalog, pg_temp'], false) \
+         ORDER BY 1",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    assert!(unpinned.is_empty(), "SECURITY DEFINER without a pinned search path: {unpinned:?}");
+    let definers: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname = 'obx_api' AND p.prosecdef",
+    )
+    .fetch_one(&host.db)
+    .await
+    .unwrap();
+    assert!(definers >= 10, "only {definers} SECURITY DEFINER functions found in obx_api");
+    let public: Vec<String> = sqlx::query_scalar(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname IN ('obx', 'obx_api') AND has_function_privilege('public', p.oid, 'EXECUTE') \
+         ORDER BY 1",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    assert!(public.is_empty(), "executable by PUBLIC: {public:?}");
+    host.shutdown().await;
+}
