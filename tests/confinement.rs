@@ -1000,7 +1000,10 @@ async fn the_hosts_functions_pin_their_search_path_and_are_not_public() {
     .fetch_all(&host.db)
     .await
     .unwrap();
-    assert!(unpinned.is_empty(), "SECURITY DEFINER without a pinned search path: {unpinned:?}");
+    assert!(
+        unpinned.is_empty(),
+        "SECURITY DEFINER without a pinned search path: {unpinned:?}"
+    );
     let definers: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
          WHERE n.nspname = 'obx_api' AND p.prosecdef",
@@ -1008,7 +1011,10 @@ async fn the_hosts_functions_pin_their_search_path_and_are_not_public() {
     .fetch_one(&host.db)
     .await
     .unwrap();
-    assert!(definers >= 10, "only {definers} SECURITY DEFINER functions found in obx_api");
+    assert!(
+        definers >= 10,
+        "only {definers} SECURITY DEFINER functions found in obx_api"
+    );
     let public: Vec<String> = sqlx::query_scalar(
         "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
          WHERE n.nspname IN ('obx', 'obx_api') AND has_function_privilege('public', p.oid, 'EXECUTE') \

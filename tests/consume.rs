@@ -597,6 +597,70 @@ async fn poison_in_a_batch(poison: serde_json::Value) {
     host.shutdown().await;
 }
 
+/// A batch stops at a failed event and does the events before it again without it; when one
+/// of those now fails too (a handler that fails only sometimes), both failures count as
+/// attempts: the poison event is tried `max_attempts` times in all, not once more.
+#[tokio::test]
+async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fails() {
+    use sqlx::Connection;
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, DEDUP).await;
+    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
+        .execute(&first.db)
+        .await
+        .unwrap();
+    let p = producer(&broker.bootstrap);
+    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "gate": true })).await;
+    // The gate's handler waits for this lock while the two events below queue behind it, so
+    // that the lane takes them in one batch.
+    let mut gate = sqlx::PgConnection::connect(&first.database_url).await.unwrap();
+    let mut held = gate.begin().await.unwrap();
+    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let host = next_host(&broker, first, |c| {
+        c.consumer.lanes = 1;
+        c.consumer.max_attempts = 3;
+        c.limits.call_deadline = Duration::from_secs(30);
+        c.limits.lock_timeout = Duration::from_secs(30);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the gate's handler waits", || async {
+        let waiting = "SELECT count(*) FROM pg_stat_activity \
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        host.count(waiting).await >= 1
+    })
+    .await;
+    // Runs: the batch runs the flaky event (its run 1), then fails on the poison one; done
+    // again without it, the flaky event fails (run 2); alone, it succeeds (run 3).
+    let flaky = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 2, "flaky": 2 })).await;
+    let poison = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 3, "poison": "counted" })).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    held.commit().await.unwrap();
+    eventually(Duration::from_secs(30), "the poison event is dead-lettered", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE consumer = 'testbed'")
+            .await
+            == 1
+    })
+    .await;
+    assert_eq!(
+        host.count("SELECT last_value FROM testbed.flaky_runs").await,
+        3,
+        "the flaky event ran in a batch with the poison event, again without it, then alone"
+    );
+    assert_eq!(effects(&host, flaky).await, 1);
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    assert_eq!((letters[0].event_id, letters[0].attempts), (poison, 3));
+    let runs = host.count("SELECT last_value FROM testbed.poison_runs").await;
+    assert_eq!(
+        runs, 3,
+        "the poison event's handler ran {runs} times for max_attempts 3"
+    );
+    host.shutdown().await;
+}
+
 /// A handler that returns `ok` but breaks a deferred constraint: its batch's commit is
 /// refused. The events go one at a time, the refusal counts as that event's failed attempt,
 /// and it is parked with its key; the rest commit once. (It was taken for the database being

@@ -405,28 +405,34 @@ impl Lane {
         let mut i = 0;
         while i < messages.len() {
             let (mode, run) = self.run_of(&messages[i..]);
-            let mut first_failure = None;
+            let mut failed = Failed::new();
             if run.len() > 1 {
-                let (committed, failure) = match mode {
+                let (committed, in_batch) = match mode {
                     DeliveryMode::Dedup => self.try_batch(&run).await,
-                    DeliveryMode::Inbox => (self.store_batch(&run).await, None),
+                    DeliveryMode::Inbox => (self.store_batch(&run).await, Failed::new()),
                 };
                 for m in &messages[i..i + committed] {
                     settle(m);
                 }
+                failed = in_batch.into_iter().map(|(at, f)| (i + at, f)).collect();
                 i += committed;
-                first_failure = failure;
                 if i == messages.len() {
                     break;
                 }
             }
             // One message alone: the path that retries, parks, stores in the inbox and
-            // quarantines. A batch's failed event comes here with its first attempt counted.
-            match self.handle_guarded(messages[i], first_failure).await {
-                Done::Settled => settle(messages[i]),
-                Done::Stopped => return Done::Stopped,
+            // quarantines; after a batch that failed, each message up to its last failed
+            // event, which comes here with the attempt the batch made counted.
+            let last = failed.last().map_or(i, |(at, _)| *at);
+            let mut failed = failed.into_iter().peekable();
+            while i <= last {
+                let first_failure = failed.next_if(|(at, _)| *at == i).map(|(_, f)| f);
+                match self.handle_guarded(messages[i], first_failure).await {
+                    Done::Settled => settle(messages[i]),
+                    Done::Stopped => return Done::Stopped,
+                }
+                i += 1;
             }
-            i += 1;
         }
         Done::Settled
     }
@@ -482,26 +488,53 @@ impl Lane {
     /// handlers fail rarely, and a savepoint per event costs a round trip and a Postgres
     /// subtransaction. Stops at the first event that cannot be done here: one whose key is
     /// parked, or whose handler failed. A failed handler rolls the whole batch back; the
-    /// events before it are then done again in a batch of their own, and its failure is
-    /// returned, for the one-at-a-time path to retry or park it. Returns how many leading
-    /// events committed; after a database error, none.
-    async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Option<Failure>) {
+    /// events before it are then done again in a batch of their own ([`Lane::redo`]), and the
+    /// failures met are returned, for the one-at-a-time path to retry or park each with its
+    /// attempt counted. Returns how many leading events committed; after a database error,
+    /// none.
+    async fn try_batch(&self, run: &[Option<Incoming>]) -> (usize, Failed) {
         let Some(plugin) = self.registry.get(&self.plugin) else {
-            return (0, None);
+            return (0, Failed::new());
         };
         match self.batch(&plugin, run).await {
-            Ok(Batch::Committed(n, failure)) => (n, failure),
+            Ok(Batch::Committed(n, failure)) => (n, failure.map(|f| vec![(n, f)]).unwrap_or_default()),
             // Nothing committed: the handler of event `n` failed, or the transaction was
             // lost with it. It goes on alone, this attempt counted; the events before it
             // are done again first, without it.
-            Ok(Batch::Undone(0, failure)) => (0, Some(failure)),
-            Ok(Batch::Undone(n, failure)) => match self.batch(&plugin, &run[..n]).await {
-                Ok(Batch::Committed(done, None)) if done == n => (n, Some(failure)),
-                _ => (0, None),
-            },
+            Ok(Batch::Undone(n, failure)) => {
+                let mut failed = vec![(n, failure)];
+                let committed = self.redo(&plugin, run, &mut failed).await;
+                (committed, failed)
+            }
             Err(e) => {
                 tracing::warn!(plugin = %self.plugin, error = %e, "a batch failed; its events go one at a time");
-                (0, None)
+                (0, Failed::new())
+            }
+        }
+    }
+
+    /// Does the events before the first of `failed` again, in batches, each without the
+    /// event that failed last; an event that fails now (a handler that failed only this time)
+    /// joins `failed`, ahead, so that each attempt made is counted. Returns how many leading
+    /// messages committed.
+    async fn redo(&self, plugin: &crate::runtime::Plugin, run: &[Option<Incoming>], failed: &mut Failed) -> usize {
+        loop {
+            let end = failed[0].0;
+            if end == 0 {
+                return 0;
+            }
+            match self.batch(plugin, &run[..end]).await {
+                Ok(Batch::Committed(done, failure)) => {
+                    if let Some(f) = failure {
+                        failed.insert(0, (done, f));
+                    }
+                    return done;
+                }
+                Ok(Batch::Undone(at, failure)) => failed.insert(0, (at, failure)),
+                Err(e) => {
+                    tracing::warn!(plugin = %self.plugin, error = %e, "a batch failed; its events go one at a time");
+                    return 0;
+                }
             }
         }
     }
@@ -765,6 +798,10 @@ enum Step {
     Done,
     Failed(Failure),
 }
+
+/// Events whose handler failed in a batch that did not commit them, by their message's
+/// position, ascending: each goes on alone with that attempt counted.
+type Failed = Vec<(usize, Failure)>;
 
 /// How a batch ended.
 enum Batch {

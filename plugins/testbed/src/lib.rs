@@ -95,6 +95,12 @@ impl Guest for Testbed {
                                                  CONSTRAINT deferred_once UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
                         .into(),
                 },
+                Migration {
+                    id: 4,
+                    name: "handler runs".into(),
+                    // Sequences: a rolled-back run still counts, so a test sees every attempt.
+                    sql: "CREATE SEQUENCE flaky_runs; CREATE SEQUENCE poison_runs".into(),
+                },
             ],
         }
     }
@@ -166,6 +172,20 @@ impl Guest for Testbed {
     /// the topic in `"then"`.
     fn handle_event(event: Event) -> Result<(), HandlerError> {
         let p: Value = serde_json::from_str(&event.payload).map_err(|e| invalid(e.to_string()))?;
+        // `{"gate": true}`: waits for the row lock of counter `gate`, which a test can hold.
+        if p["gate"] == true {
+            execute("UPDATE counters SET n = n + 1 WHERE name = 'gate'", &[])?;
+        }
+        // `{"flaky": n}`: fails on the n-th run of any flaky event, counted across rollbacks.
+        if let Some(n) = p["flaky"].as_i64() {
+            if next_run("flaky_runs")? == n {
+                return Err(HandlerError::Failed(format!("flaky event, failed on run {n}")));
+            }
+        }
+        if p["poison"] == "counted" {
+            let run = next_run("poison_runs")?;
+            return Err(HandlerError::Failed(format!("poisoned event, run {run}")));
+        }
         if p["poison"] == true {
             return Err(HandlerError::Failed(format!(
                 "poisoned event, attempt {}",
@@ -313,6 +333,12 @@ fn recurse(n: u64) -> u64 {
     }
     let frame = std::hint::black_box([n; 64]);
     recurse(n - 1).wrapping_add(frame[7])
+}
+
+/// The next value of `sequence`: a count of runs that a rollback does not undo.
+fn next_run(sequence: &str) -> Result<i64, HandlerError> {
+    let rows = query(&format!("SELECT nextval('{sequence}') AS n"), &[])?;
+    Ok(rows.value(0, "n").and_then(SqlValue::as_int).unwrap_or(-1))
 }
 
 fn counter(name: &str) -> Result<String, HandlerError> {
