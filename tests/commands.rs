@@ -421,6 +421,27 @@ async fn plugin_migrations_are_recorded_and_a_changed_one_is_refused() {
     next.shutdown().await;
 }
 
+/// An event whose payload Postgres's jsonb cannot store (`\u0000`) is refused at the emit,
+/// with the reason, rather than failing the commit as a database error; nothing of the call
+/// is committed.
+#[tokio::test]
+async fn an_event_payload_with_a_nul_escape_is_refused_at_the_emit_with_the_reason() {
+    let host = spawn_host(&["testbed"]).await;
+    let answer = host
+        .command("testbed", "emit", json!({ "id": "nul", "payload": { "s": "a\u{0}b" } }))
+        .await;
+    // The guest's emit got the reason (`outbox::tests::refuses_bad_fields`); the caller gets
+    // the failed call, as for any refused emit, and not a database error at the commit.
+    assert_eq!(
+        (answer.status, answer.code()),
+        (500, "transaction_aborted"),
+        "{}",
+        answer.text
+    );
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
+    host.shutdown().await;
+}
+
 /// A guest that emits a million events (ignoring every refusal past the limit), or returns
 /// a response of megabytes, or grows its memory without end: each gets a clear error,
 /// nothing it did is committed, and the next call is served.

@@ -914,6 +914,54 @@ async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
     host.shutdown().await;
 }
 
+/// A value Postgres cannot store as `jsonb` (the escape `\u0000`, in a value or a key, valid
+/// JSON for everyone else) is quarantined with that reason, in either mode: in inbox mode
+/// storing it failed, and the partition retried it for ever. An escaped backslash before
+/// `u0000` is text, not NUL, and goes through. So is a header holding NUL.
+#[tokio::test]
+async fn a_value_with_a_nul_escape_is_quarantined_and_the_partition_moves_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    for topic in [INBOX, DEDUP] {
+        for value in [r#"{"s": "a\u0000b"}"#, r#"{"a\u0000": 1}"#] {
+            let id = uuid::Uuid::new_v4().to_string();
+            let headers = vec![("eventId", id.as_bytes()), ("eventType", b"Thing".as_slice())];
+            send_raw(&p, &host.topic(topic), Some(b"k"), Some(value.as_bytes()), &headers).await;
+        }
+    }
+    let id = uuid::Uuid::new_v4().to_string();
+    let headers = vec![
+        ("eventId", id.as_bytes()),
+        ("eventType", b"Thing".as_slice()),
+        ("note", b"a\0b".as_slice()),
+    ];
+    send_raw(&p, &host.topic(INBOX), Some(b"k"), Some(b"{}"), &headers).await;
+    let text = send_event(&p, &host.topic(INBOX), "k", "Thing", &json!({ "s": "\\u0000" })).await;
+    let good = send_event(&p, &host.topic(DEDUP), "k", "Thing", &json!({ "seq": 1 })).await;
+    eventually(
+        Duration::from_secs(30),
+        "the good events after the bad ones",
+        || async { effects(&host, good).await == 1 && effects(&host, text).await == 1 },
+    )
+    .await;
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM obx.quarantine")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(reasons.len(), 5, "{reasons:?}");
+    assert_eq!(
+        reasons.iter().filter(|r| r.contains("\\u0000")).count(),
+        4,
+        "{reasons:?}"
+    );
+    assert_eq!(
+        reasons.iter().filter(|r| r.contains("\"note\" holds a NUL")).count(),
+        1,
+        "{reasons:?}"
+    );
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_event_handler_emits_follow_ups_through_the_outbox() {
     let host = spawn_host(&["testbed"]).await;

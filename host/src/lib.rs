@@ -14,6 +14,7 @@ pub mod db;
 pub mod dispatch;
 pub mod idempotency;
 pub mod inbox;
+pub mod jsonb;
 pub mod kafka;
 pub mod otel;
 pub mod outbox;

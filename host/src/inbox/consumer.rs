@@ -915,7 +915,13 @@ async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u
 
 async fn quarantine(conn: &mut PgConnection, consumer: &str, m: &OwnedMessage, reason: &str) -> sqlx::Result<()> {
     const KEEP: usize = 64 * 1024;
-    let headers = serde_json::to_value(super::utf8_headers(m)).unwrap_or_default();
+    // jsonb cannot hold NUL, and a header that had one is among the reasons to be here.
+    let printable = |t: &str| t.replace('\0', "\u{FFFD}");
+    let headers: std::collections::BTreeMap<String, String> = super::utf8_headers(m)
+        .iter()
+        .map(|(k, v)| (printable(k), printable(v)))
+        .collect();
+    let headers = serde_json::to_value(headers).unwrap_or_default();
     sqlx::query(
         "INSERT INTO obx.quarantine (consumer, topic, kafka_partition, kafka_offset, key, value, headers, reason) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",

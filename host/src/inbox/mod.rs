@@ -80,6 +80,17 @@ impl Incoming {
         let (event_id, event_type) = identity(&headers).map_err(q)?;
         let payload = std::str::from_utf8(value).map_err(|_| q("the value is not UTF-8".into()))?;
         serde_json::from_str::<serde::de::IgnoredAny>(payload).map_err(|e| q(format!("the value is not JSON: {e}")))?;
+        if let Some(reason) = crate::jsonb::refusal(payload) {
+            return Err(q(format!("the value cannot be stored: {reason}")));
+        }
+        if let Some(name) = headers
+            .iter()
+            .find_map(|(k, v)| (k.contains('\0') || v.contains('\0')).then_some(k))
+        {
+            return Err(q(format!(
+                "the header {name:?} holds a NUL character, which Postgres cannot store"
+            )));
+        }
         Ok(Incoming {
             event_id,
             event_type,

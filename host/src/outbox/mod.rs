@@ -117,6 +117,9 @@ impl RawEvent {
         if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&self.payload) {
             return Err(EventError::Invalid(format!("payload is not valid JSON: {e}")));
         }
+        if let Some(reason) = crate::jsonb::refusal(&self.payload) {
+            return Err(EventError::Invalid(format!("payload cannot be stored: {reason}")));
+        }
         let partition_key = self.partition_key.unwrap_or_else(|| self.aggregate_id.clone());
         Ok(NewEvent {
             event_id,
@@ -189,6 +192,13 @@ mod tests {
                     ..raw()
                 },
                 "not valid JSON",
+            ),
+            (
+                RawEvent {
+                    payload: r#"{"s":"a\u0000b"}"#.into(),
+                    ..raw()
+                },
+                "\\u0000 (NUL), which Postgres's jsonb cannot store",
             ),
             (
                 RawEvent {
