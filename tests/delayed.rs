@@ -268,3 +268,90 @@ async fn a_plugin_session_calling_emit_delayed_itself_gets_every_check() {
     assert_eq!(host.count("SELECT count(*) FROM obx.outbox_delayed").await, 0);
     host.shutdown().await;
 }
+
+/// `obx_api.emit` on a plugin session, one event of id `id` on testbed.events.
+fn emit_now(id: uuid::Uuid) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(
+        "SELECT obx_api.emit('1', NULL, ARRAY[$1]::uuid[], ARRAY['A'], ARRAY['a'], ARRAY['Sequenced'], \
+         ARRAY['{}'], ARRAY['testbed.events'], ARRAY['a'])",
+    )
+    .bind(id)
+}
+
+/// `obx_api.emit_delayed` on a plugin session, one event of id `id`, due in `delay_ms`.
+fn emit_later(
+    id: uuid::Uuid,
+    delay_ms: i64,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(
+        "SELECT obx_api.emit_delayed('1', NULL, ARRAY[$1]::uuid[], ARRAY['A'], ARRAY['a'], ARRAY['Sequenced'], \
+         ARRAY['{}'], ARRAY['testbed.events'], ARRAY['a'], ARRAY[$2]::bigint[])",
+    )
+    .bind(id)
+    .bind(delay_ms)
+}
+
+/// A delayed event's id is its own while it waits: another emit of it is refused, with the
+/// reason (it used to make the delayed event vanish at its release). A transaction that still
+/// wrote it, racing the delayed event's own commit, and stays open does not stop the relay:
+/// other events are published meanwhile (the release used to wait for that transaction, and
+/// every relay's step with it), and the delayed event is released, once, when it ends.
+#[tokio::test]
+async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_relay() {
+    // Plugin sessions idle in a transaction for a minute and more before Postgres ends them.
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.call_deadline = Duration::from_secs(30);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut a = host.plugin_session("testbed").await;
+    let mut b = host.plugin_session("testbed").await;
+    let waiting = uuid::Uuid::new_v4();
+    emit_later(waiting, 600_000).execute(&mut a).await.unwrap();
+    let refused = emit_now(waiting).execute(&mut b).await.unwrap_err();
+    assert!(refused.to_string().contains("taken by a delayed event"), "{refused}");
+
+    // The race: `a` writes a delayed event due at once; `b`'s emit of the same id waits for
+    // `a`, and goes through when `a` commits. `b` then keeps its transaction open.
+    let twin = uuid::Uuid::new_v4();
+    sqlx::query("BEGIN").execute(&mut a).await.unwrap();
+    emit_later(twin, 0).execute(&mut a).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut b).await.unwrap();
+    let racing = tokio::spawn(async move {
+        let written = emit_now(twin).execute(&mut b).await;
+        (b, written)
+    });
+    eventually(Duration::from_secs(10), "b's emit waits for a", || async {
+        let waiting = "SELECT count(*) FROM pg_stat_activity \
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        host.count(waiting).await >= 1
+    })
+    .await;
+    sqlx::query("COMMIT").execute(&mut a).await.unwrap();
+    let (mut b, written) = racing.await.unwrap();
+    written.expect("the racing emit goes through");
+
+    let seq = sequenced(&host, "other", None).await;
+    eventually(Duration::from_secs(10), "another event published meanwhile", || async {
+        published(&host, "other", seq).await
+    })
+    .await;
+    let held = format!("SELECT count(*) FROM obx.outbox_delayed WHERE event_id = '{twin}'");
+    assert_eq!(
+        host.count(&held).await,
+        1,
+        "released while its twin's transaction is open"
+    );
+
+    sqlx::query("ROLLBACK").execute(&mut b).await.unwrap();
+    let sent = format!("SELECT count(*) FROM obx.outbox_event WHERE event_id = '{twin}' AND published_at IS NOT NULL");
+    eventually(
+        Duration::from_secs(10),
+        "the delayed event released and published",
+        || async { host.count(&sent).await == 1 },
+    )
+    .await;
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+    host.shutdown().await;
+}

@@ -239,6 +239,8 @@ struct State {
     last_step: Option<Instant>,
     /// How long, at the last step, until the earliest delayed event was due.
     next_delayed: Option<Duration>,
+    /// Steps in a row whose release of due delayed events was held up by a lock.
+    release_held: u32,
 }
 
 impl Relay {
@@ -253,6 +255,7 @@ impl Relay {
             last_rebalance: None,
             last_step: None,
             next_delayed: None,
+            release_held: 0,
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -417,7 +420,24 @@ impl Relay {
         }
         let producer = st.producer.as_ref().expect("built above");
 
-        st.next_delayed = release_due(conn, self.config.batch_size, self.owns_all.load(Ordering::Relaxed)).await?;
+        st.next_delayed = match release_due(conn, self.config.batch_size, self.owns_all.load(Ordering::Relaxed)).await?
+        {
+            Released::Due(next) => {
+                st.release_held = 0;
+                next
+            }
+            Released::Held => {
+                st.release_held += 1;
+                if st.release_held % RELEASE_HELD_WARN == 0 {
+                    tracing::warn!(
+                        steps = st.release_held,
+                        "due delayed events are held back: their release keeps \
+                        waiting for a lock (an open transaction writing an event with the same id, or other relays)"
+                    );
+                }
+                Some(RELEASE_RETRY)
+            }
+        };
         let shards: Vec<i32> = st.shards.iter().copied().collect();
         let started = Instant::now();
         st.last_step = Some(started);
@@ -690,16 +710,36 @@ enum Wake {
     Stop,
 }
 
+/// What the release of due delayed events came to.
+enum Released {
+    /// Done: how long until the next delayed event is due, if one waits.
+    Due(Option<Duration>),
+    /// It waited its most for a lock (`obx.outbox_release_due` has a `lock_timeout`) and left
+    /// its rows for a later step; the relay publishes on meanwhile.
+    Held,
+}
+
+/// A release held up by a lock is tried again this soon.
+const RELEASE_RETRY: Duration = Duration::from_millis(100);
+/// Steps in a row held up before a warning (and between warnings).
+const RELEASE_HELD_WARN: u32 = 20;
+
 /// Moves the delayed events that are due into the outbox (each takes its place in its key's
 /// order now), in a transaction of its own, before the claim; wakes the other relays if it
-/// moved any, since their shards may hold them. Returns how long until the next is due.
-async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -> Result<Option<Duration>> {
-    let (released, next_due_ms): (i32, Option<i64>) =
-        sqlx::query_as("SELECT released, next_due_ms FROM obx.outbox_release_due($1)")
-            .bind(i32::try_from(batch_size).unwrap_or(i32::MAX))
-            .fetch_one(&mut *conn)
-            .await
-            .context("releasing due delayed events")?;
+/// moved any, since their shards may hold them.
+async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -> Result<Released> {
+    let row = sqlx::query_as("SELECT released, next_due_ms FROM obx.outbox_release_due($1)")
+        .bind(i32::try_from(batch_size).unwrap_or(i32::MAX))
+        .fetch_one(&mut *conn)
+        .await;
+    let (released, next_due_ms): (i32, Option<i64>) = match row {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+            metrics::counter!("obx_outbox_delayed_release_held_total").increment(1);
+            tracing::debug!("releasing due delayed events waited its most for a lock; trying again next step");
+            return Ok(Released::Held);
+        }
+        row => row.context("releasing due delayed events")?,
+    };
     if released > 0 {
         metrics::counter!("obx_outbox_delayed_released_total").increment(released as u64);
         if !owns_all {
@@ -709,7 +749,9 @@ async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -
                 .await?;
         }
     }
-    Ok(next_due_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+    Ok(Released::Due(
+        next_due_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+    ))
 }
 
 fn next_backoff(backoff: &mut Duration, max: Duration) -> Duration {
