@@ -914,6 +914,45 @@ async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
     host.shutdown().await;
 }
 
+/// A plugin whose inbox steps keep failing (here its role may no longer log in) waits out a
+/// backoff of its own; another plugin's inbox events go on at once. The processors used to
+/// back off as a whole, so that every other plugin's events waited for it too.
+#[tokio::test]
+async fn a_plugin_whose_inbox_steps_fail_holds_up_no_other_plugins_inbox() {
+    let host = spawn_host_with(&["testbed", "orders"], |c| {
+        c.consumer.backoff_initial = Duration::from_secs(30);
+        c.consumer.backoff_max = Duration::from_secs(60);
+    })
+    .await;
+    let role: String = sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = 'orders'")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    sqlx::query(&format!("ALTER ROLE \"{role}\" NOLOGIN"))
+        .execute(&host.db)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
+        .bind(&role)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let p = producer(&host.host.brokers.bootstrap);
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        ids.push(send_event(&p, &host.topic(INBOX), &format!("k{i}"), "Thing", &json!({ "seq": i })).await);
+    }
+    eventually(Duration::from_secs(10), "testbed's 20 inbox events handled", || async {
+        let mut handled = 0;
+        for id in &ids {
+            handled += effects(&host, *id).await;
+        }
+        handled == 20
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// A value Postgres cannot store as `jsonb` (the escape `\u0000`, in a value or a key, valid
 /// JSON for everyone else) is quarantined with that reason, in either mode: in inbox mode
 /// storing it failed, and the partition retried it for ever. An escaped backslash before

@@ -160,6 +160,7 @@ pub async fn start(config: Config) -> Result<Host> {
                 wake: inbox.subscribe(),
                 shutdown: consumers_stopped.clone(),
                 one_at_a_time: Default::default(),
+                failing: Default::default(),
             };
             consumers.push(tokio::spawn(processor.run()));
         }

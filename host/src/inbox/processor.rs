@@ -24,6 +24,7 @@
 //! letter, holding its key.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::FutureExt as _;
 use sqlx::Row;
@@ -49,6 +50,10 @@ pub struct Processor {
     /// (`consumer.batch_max_events`, as many as the refused batch could hold), so that the
     /// refusal names its event, which is retried and parked in the end.
     pub one_at_a_time: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    /// Consumers whose steps failed (their session cannot be opened, a statement failed):
+    /// how many times in a row, and when to try again. Each waits out its own backoff,
+    /// while the others' events go on.
+    pub failing: std::sync::Mutex<std::collections::HashMap<String, (u32, Instant)>>,
 }
 
 /// What one step did.
@@ -71,27 +76,13 @@ struct Claimed {
 
 impl Processor {
     pub async fn run(mut self) {
-        // Failed steps in a row: the pause after one doubles from `backoff_initial`.
-        let mut failures = 0;
         loop {
             if *self.shutdown.borrow() {
                 return;
             }
-            // A bug must not stop every plugin's inbox: a step that panics is logged and
-            // retried after a pause, like one that failed.
-            let step = std::panic::AssertUnwindSafe(self.step()).catch_unwind().await;
-            let step = step.unwrap_or_else(|_| Err(anyhow::anyhow!("the step panicked")));
-            if step.is_ok() {
-                failures = 0;
-            }
-            let pause = match step {
-                Ok(Outcome::Worked | Outcome::Undone) => continue,
-                Ok(Outcome::Idle) => self.config.inbox_poll_interval,
-                Err(e) => {
-                    tracing::warn!(error = %e, "inbox processor step failed");
-                    failures += 1;
-                    backoff(self.config.backoff_initial, self.config.backoff_max, failures)
-                }
+            let pause = match self.step().await {
+                Outcome::Worked | Outcome::Undone => continue,
+                Outcome::Idle => self.config.inbox_poll_interval,
             };
             tokio::select! {
                 _ = self.wake.changed() => {}
@@ -101,7 +92,9 @@ impl Processor {
         }
     }
 
-    async fn step(&self) -> anyhow::Result<Outcome> {
+    /// One batch of the first consumer, in turn, that has an event to run. A consumer whose
+    /// step fails waits out a backoff of its own; the others go on.
+    async fn step(&self) -> Outcome {
         let mut consumers: Vec<String> = self
             .registry
             .plugins()
@@ -109,17 +102,49 @@ impl Processor {
             .map(|p| p.manifest.name.clone())
             .collect();
         if consumers.is_empty() {
-            return Ok(Outcome::Idle);
+            return Outcome::Idle;
         }
         // Start from a different consumer each time, so that a busy one cannot starve the rest.
         let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % consumers.len();
         consumers.rotate_left(turn);
         for consumer in consumers {
-            if let Outcome::Worked = self.step_for(&consumer).await? {
-                return Ok(Outcome::Worked);
+            if self.backing_off(&consumer) {
+                continue;
+            }
+            // A bug must not stop every plugin's inbox: a step that panics is logged and
+            // retried after a pause, like one that failed.
+            let step = std::panic::AssertUnwindSafe(self.step_for(&consumer))
+                .catch_unwind()
+                .await;
+            match step.unwrap_or_else(|_| Err(anyhow::anyhow!("the step panicked"))) {
+                Ok(outcome) => {
+                    self.lock_failing().remove(&consumer);
+                    if let Outcome::Worked = outcome {
+                        return Outcome::Worked;
+                    }
+                }
+                Err(e) => self.failed(&consumer, &e),
             }
         }
-        Ok(Outcome::Idle)
+        Outcome::Idle
+    }
+
+    fn lock_failing(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (u32, Instant)>> {
+        self.failing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn backing_off(&self, consumer: &str) -> bool {
+        self.lock_failing()
+            .get(consumer)
+            .is_some_and(|(_, until)| Instant::now() < *until)
+    }
+
+    fn failed(&self, consumer: &str, e: &anyhow::Error) {
+        let mut failing = self.lock_failing();
+        let failures = failing.get(consumer).map_or(1, |(n, _)| n + 1);
+        let wait = backoff(self.config.backoff_initial, self.config.backoff_max, failures);
+        tracing::warn!(plugin = consumer, error = %e, retry_in = ?wait, "inbox processor step failed");
+        failing.insert(consumer.to_string(), (failures, Instant::now() + wait));
     }
 
     /// Events of one key of `consumer`, up to `consumer.batch_max_events`, in one
