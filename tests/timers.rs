@@ -225,6 +225,56 @@ async fn a_plugins_backlog_does_not_hold_up_another_plugins_timers() {
     host.shutdown().await;
 }
 
+/// A plugin whose timer handler takes long (here it waits for a lock the test holds) holds up
+/// no other plugin's timers: each plugin's batch runs at once with the others'.
+#[tokio::test]
+async fn a_plugins_slow_timer_handler_does_not_hold_up_another_plugins_timers() {
+    use sqlx::Connection;
+    let host = spawn_host_with(&["testbed", "orders"], |c| {
+        c.limits.call_deadline = Duration::from_secs(30);
+        c.limits.lock_timeout = Duration::from_secs(30);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let mut gate = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
+    let mut held = gate.begin().await.unwrap();
+    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let slow = json!({ "name": "slow", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
+    assert_eq!(schedule(&host, slow).await, 200);
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    eventually(Duration::from_secs(10), "testbed's timer handler waits", || async {
+        host.count(waiting).await >= 1
+    })
+    .await;
+    // orders handles no timers (its SDK export fails them): an attempt shows it was fired.
+    sqlx::query(
+        "INSERT INTO obx.timer (plugin, name, key, due_at, payload) VALUES ('orders', 't', 'k', clock_timestamp(), '{}')",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let attempted = "SELECT count(*) FROM obx.timer WHERE plugin = 'orders' AND attempts >= 1";
+    eventually(Duration::from_secs(5), "orders' timer fired meanwhile", || async {
+        host.count(attempted).await == 1
+    })
+    .await;
+    assert_eq!(fired(&host).await, 0, "testbed's timer is still waiting");
+    held.commit().await.unwrap();
+    eventually(Duration::from_secs(10), "testbed's timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// Three hosts of one service fire 300 timers, all due at about the same moment: each takes
 /// effect exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -357,6 +407,37 @@ async fn a_timer_keeps_its_scheduling_trace_context_within_its_limits() {
     testbed.close().await.unwrap();
     assert_eq!(host.count(recorded).await, 0);
     assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 1);
+    host.shutdown().await;
+}
+
+/// A failed attempt is recorded once: a record that comes late, over attempts another host
+/// has recorded since, changes nothing (it would have given the timer an attempt more).
+#[tokio::test]
+async fn a_timers_failed_attempt_is_recorded_once() {
+    let host = spawn_host(&["testbed"]).await;
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "k", "delay_ms": 600_000 })).await,
+        200
+    );
+    let generation: i64 = sqlx::query_scalar("SELECT generation FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    let mut s = host.plugin_session("testbed").await;
+    for (attempts, error) in [(1, "first"), (2, "second"), (1, "late"), (4, "skipped one")] {
+        sqlx::query("SELECT obx_api.timer_fail('t', 'k', $1, $2, $3, false, 600000)")
+            .bind(generation)
+            .bind(attempts)
+            .bind(error)
+            .execute(&mut s)
+            .await
+            .unwrap();
+    }
+    let (attempts, error): (i32, String) = sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!((attempts, error.as_str()), (2, "second"));
     host.shutdown().await;
 }
 

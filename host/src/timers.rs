@@ -1,8 +1,9 @@
 //! Fires durable timers (`obx:plugin/timers`) when they are due.
 //!
-//! One task per host. It sleeps until the earliest due time of the loaded `timed-plugin`s'
-//! timers (asking again at least every [`IDLE_POLL`], for timers other hosts schedule), then
-//! fires the due timers in batches, each batch one transaction on the plugin's session:
+//! One loop per loaded `timed-plugin`, each a task of its own. It sleeps until the earliest
+//! due time of its plugin's timers (asking again at least every [`IDLE_POLL`], for timers
+//! other hosts schedule), then fires the due timers in batches, each batch one transaction on
+//! the plugin's session:
 //!
 //! 1. `obx_api.timer_take_traced(n)` takes the earliest due timers, up to
 //!    `consumer.batch_max_events`, and locks their rows (another host's firing skips them);
@@ -14,10 +15,10 @@
 //! 5. the handled timers' outbox rows are written and the batch commits: each handler's
 //!    effects and its timer's end commit together, once.
 //!
-//! Every step gives each timed plugin one batch, each plugin first in turn, and a batch
-//! commits after [`BATCH_BUDGET`] whatever is left: no plugin's backlog holds up another's.
-//! A plugin whose batch fails (its session cannot be opened, its commit fails) waits alone,
-//! with backoff. A deferred constraint is checked after each handler, as its own failure; a
+//! A batch commits after [`BATCH_BUDGET`] whatever is left, and each plugin's loop waits
+//! only for its own batches: no plugin's backlog, slow handlers or failures hold up
+//! another's timers. A plugin whose batch fails (its session cannot be opened, its commit
+//! fails) waits alone, with backoff. A deferred constraint is checked after each handler, as its own failure; a
 //! commit that fails anyway counts as a failed attempt of each timer of the batch, so that no
 //! timer fires for ever. A call refused for want of a call slot (`Busy`) is not the timer's
 //! fault and is not counted.
@@ -167,109 +168,99 @@ struct Due {
 /// rows stay locked until then, and a command that cancels one of them waits for it.
 const BATCH_BUDGET: Duration = Duration::from_secs(1);
 
-/// What the loop remembers between steps.
-#[derive(Default)]
-struct Turns {
-    /// Where the next step starts in the list of plugins: each goes first in turn.
-    next: usize,
-    /// Plugins whose last batch failed: how many times in a row, and when to try again.
-    failing: HashMap<String, (u32, Instant)>,
-    /// Steps in a row that found timers due but took none (held by other sessions).
-    held: u32,
-}
-
 impl TimerService {
-    pub async fn run(mut self) {
-        let mut changes = self.registry.changes();
-        let mut turns = Turns::default();
+    /// Keeps one firing loop per loaded timed plugin ([`TimerService::fire_plugin`]), so that
+    /// no plugin's backlog, slow handlers or failures hold up another's timers.
+    pub async fn run(self) {
+        let service = Arc::new(self);
+        let mut changes = service.registry.changes();
+        let mut shutdown = service.shutdown.clone();
+        let mut loops: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
         loop {
-            if *self.shutdown.borrow() {
-                return;
+            if *shutdown.borrow() {
+                break;
             }
-            let wait = self.step(&mut turns).await;
-            if wait.is_zero() {
-                continue;
+            loops.retain(|_, task| !task.is_finished());
+            for plugin in service.registry.plugins().into_iter().filter(|p| p.timed()) {
+                let name = plugin.manifest.name.clone();
+                loops
+                    .entry(name.clone())
+                    .or_insert_with(|| tokio::spawn(service.clone().fire_plugin(name)));
             }
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
                 _ = changes.changed() => {}
-                _ = self.shutdown.changed() => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+        for (_, task) in loops {
+            let _ = task.await;
+        }
+    }
+
+    /// Fires `name`'s due timers, a batch at a time, for as long as it is loaded and timed:
+    /// between batches it sleeps until its earliest timer is due (asking again at least every
+    /// [`IDLE_POLL`], for timers other hosts schedule); after a failed batch, the backoff.
+    async fn fire_plugin(self: Arc<Self>, name: String) {
+        let mut shutdown = self.shutdown.clone();
+        let (mut failures, mut held) = (0u32, 0u32);
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let Some(plugin) = self.registry.get(&name).filter(|p| p.timed()) else {
+                return;
+            };
+            let wait = match self.fire_batch(&plugin).await {
+                Ok(true) => {
+                    (failures, held) = (0, 0);
+                    continue;
+                }
+                Ok(false) => {
+                    failures = 0;
+                    self.until_due(&name, &mut held).await
+                }
+                Err(e) => {
+                    failures += 1;
+                    let wait = backoff(self.config.backoff_initial, self.config.backoff_max, failures);
+                    tracing::warn!(plugin = %name, error = format!("{e:#}"), retry_in = ?wait, "firing timers failed");
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.changed() => {}
             }
         }
     }
 
-    /// Fires a batch for every timed plugin, each plugin first in turn; returns how long to
-    /// wait before the next step. A plugin whose batch fails waits alone, with backoff.
-    async fn step(&self, turns: &mut Turns) -> Duration {
-        let plugins: Vec<Arc<Plugin>> = self.registry.plugins().into_iter().filter(|p| p.timed()).collect();
-        if plugins.is_empty() {
-            return IDLE_POLL;
-        }
-        turns.next = turns.next.wrapping_add(1);
-        let mut fired = false;
-        for i in 0..plugins.len() {
-            if *self.shutdown.borrow() {
-                return Duration::ZERO;
-            }
-            let plugin = &plugins[(turns.next + i) % plugins.len()];
-            let name = &plugin.manifest.name;
-            if turns
-                .failing
-                .get(name)
-                .is_some_and(|(_, until)| Instant::now() < *until)
-            {
-                continue;
-            }
-            match self.fire_batch(plugin).await {
-                Ok(any) => {
-                    turns.failing.remove(name);
-                    fired |= any;
-                }
-                Err(e) => {
-                    let failures = turns.failing.get(name).map_or(1, |(n, _)| n + 1);
-                    let wait = backoff(self.config.backoff_initial, self.config.backoff_max, failures);
-                    tracing::warn!(plugin = %name, error = format!("{e:#}"), retry_in = ?wait, "firing timers failed");
-                    turns.failing.insert(name.clone(), (failures, Instant::now() + wait));
-                }
-            }
-        }
-        if fired {
-            turns.held = 0;
-            return Duration::ZERO;
-        }
-        match self.next_due(&plugins).await {
+    /// How long `plugin` may sleep: until its earliest pending timer is due, at most
+    /// [`IDLE_POLL`]. One due that could not be taken (another session holds it) is asked
+    /// for again soon, then less and less often (`held` counts such answers in a row).
+    async fn until_due(&self, plugin: &str, held: &mut u32) -> Duration {
+        // The earliest pending timer: one probe of the partial index.
+        let due: sqlx::Result<Option<f64>> = sqlx::query_scalar(
+            "SELECT extract(epoch FROM due_at - clock_timestamp())::float8 FROM obx.timer \
+             WHERE plugin = $1 AND parked_at IS NULL ORDER BY due_at LIMIT 1",
+        )
+        .bind(plugin)
+        .fetch_optional(&self.dispatcher.pool)
+        .await
+        .map(Option::flatten);
+        match due {
             Ok(Some(secs)) if secs <= 0.0 => {
-                // Due, but none could be taken: another session holds them, or their plugin
-                // backs off. Ask again soon, then less and less often.
-                turns.held = turns.held.saturating_add(1);
-                Duration::from_millis(5 << turns.held.min(6)).min(IDLE_POLL)
+                *held = held.saturating_add(1);
+                Duration::from_millis(5 << (*held).min(6)).min(IDLE_POLL)
             }
             Ok(Some(secs)) => {
-                turns.held = 0;
+                *held = 0;
                 Duration::from_secs_f64(secs).min(IDLE_POLL)
             }
             Ok(None) => IDLE_POLL,
             Err(e) => {
-                tracing::warn!(error = %e, "reading the next timer's due time failed");
+                tracing::warn!(plugin, error = %e, "reading the next timer's due time failed");
                 IDLE_POLL
             }
         }
-    }
-
-    /// Seconds until the earliest pending timer of `plugins` is due (negative: overdue).
-    async fn next_due(&self, plugins: &[Arc<Plugin>]) -> sqlx::Result<Option<f64>> {
-        let names: Vec<&str> = plugins.iter().map(|p| p.manifest.name.as_str()).collect();
-        // Each plugin's earliest pending timer, one index probe each: `min` over
-        // `plugin = ANY(...)` would read every pending timer, four times a second.
-        sqlx::query_scalar(
-            "SELECT extract(epoch FROM min(t.due_at) - clock_timestamp())::float8 \
-             FROM unnest($1::text[]) AS p(name), LATERAL ( \
-                 SELECT due_at FROM obx.timer \
-                 WHERE plugin = p.name AND parked_at IS NULL ORDER BY due_at LIMIT 1) t",
-        )
-        .bind(&names)
-        .fetch_one(&self.dispatcher.pool)
-        .await
     }
 
     /// Fires a batch of the plugin's due timers, earliest first, that no other session holds:

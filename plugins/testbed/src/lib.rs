@@ -538,6 +538,10 @@ fn schedule(p: &Value) -> Result<String, HandlerError> {
 impl obx_sdk::TimerGuest for Testbed {
     fn handle_timer(timer: obx_sdk::Timer) -> Result<(), HandlerError> {
         let payload: Value = serde_json::from_str(&timer.payload).unwrap_or(Value::Null);
+        // Waits for the row lock of counter `gate`, which a test can hold.
+        if payload["gate"] == true {
+            execute("UPDATE counters SET n = n + 1 WHERE name = 'gate'", &[])?;
+        }
         execute(
             "INSERT INTO timers_fired (name, key, payload, due_at, attempt) VALUES ($1, $2, $3, $4, $5)",
             &[
