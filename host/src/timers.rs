@@ -164,6 +164,9 @@ struct Due {
     traceparent: Option<String>,
 }
 
+/// How often the firing loops are checked for one that ended.
+const RESTART_CHECK: Duration = Duration::from_secs(1);
+
 /// How long a batch may run handlers before it commits what it has done: its timers'
 /// rows stay locked until then, and a command that cancels one of them waits for it.
 const BATCH_BUDGET: Duration = Duration::from_secs(1);
@@ -187,9 +190,12 @@ impl TimerService {
                     .entry(name.clone())
                     .or_insert_with(|| tokio::spawn(service.clone().fire_plugin(name)));
             }
+            // A loop that ended (its plugin was unloaded, or it panicked) starts again here
+            // if its plugin is loaded and timed.
             tokio::select! {
                 _ = changes.changed() => {}
                 _ = shutdown.changed() => {}
+                _ = tokio::time::sleep(RESTART_CHECK) => {}
             }
         }
         for (_, task) in loops {
