@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{spawn_host, TestHost};
+use obx_tests::{spawn_host, Gate, TestHost};
 use serde_json::json;
 
 async fn rows_for(host: &TestHost, id: &str) -> (i64, i64) {
@@ -284,15 +284,7 @@ async fn concurrent_requests_with_one_key_run_the_handler_once() {
 #[tokio::test]
 async fn when_every_pooled_session_has_ended_the_next_commands_still_run() {
     let host = std::sync::Arc::new(spawn_host(&["testbed"]).await);
-    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
-        .execute(&host.db)
-        .await
-        .unwrap();
-    let mut gate = host.db.begin().await.unwrap();
-    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
-        .execute(&mut *gate)
-        .await
-        .unwrap();
+    let gate = Gate::hold(&host.database_url).await;
     let wait = json!({
         "id": "s", "mode": "execute",
         "sql": "UPDATE counters SET n = n + 1 WHERE name = 'gate'",
@@ -311,7 +303,7 @@ async fn when_every_pooled_session_has_ended_the_next_commands_still_run() {
     while host.count(&waiting).await < 5 && started.elapsed() < Duration::from_millis(600) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    gate.commit().await.unwrap();
+    gate.release().await;
     for task in busy {
         let answer = task.await.unwrap();
         assert_eq!(answer.status, 200, "{}", answer.text);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use obx_tests::{
     broker, consume, eventually, metric_value, producer, run_kafkajs, send_event, send_event_with_id, send_raw,
-    spawn_host, spawn_host_on, spawn_host_with, TestBroker, TestHost,
+    spawn_host, spawn_host_on, spawn_host_with, Gate, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -602,23 +602,13 @@ async fn poison_in_a_batch(poison: serde_json::Value) {
 /// attempts: the poison event is tried `max_attempts` times in all, not once more.
 #[tokio::test]
 async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fails() {
-    use sqlx::Connection;
     let broker = broker();
     let (first, topic) = not_consuming(&broker, DEDUP).await;
-    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
-        .execute(&first.db)
-        .await
-        .unwrap();
     let p = producer(&broker.bootstrap);
     send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "gate": true })).await;
-    // The gate's handler waits for this lock while the two events below queue behind it, so
-    // that the lane takes them in one batch.
-    let mut gate = sqlx::PgConnection::connect(&first.database_url).await.unwrap();
-    let mut held = gate.begin().await.unwrap();
-    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    // The gate's handler waits while the two events below queue behind it, so that the lane
+    // takes them in one batch.
+    let gate = Gate::hold(&first.database_url).await;
     let host = next_host(&broker, first, |c| {
         c.consumer.lanes = 1;
         c.consumer.max_attempts = 3;
@@ -628,9 +618,7 @@ async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fai
     })
     .await;
     eventually(Duration::from_secs(30), "the gate's handler waits", || async {
-        let waiting = "SELECT count(*) FROM pg_stat_activity \
-                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
-        host.count(waiting).await >= 1
+        host.lock_waits().await >= 1
     })
     .await;
     // Runs: the batch runs the flaky event (its run 1), then fails on the poison one; done
@@ -638,7 +626,7 @@ async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fai
     let flaky = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 2, "flaky": 2 })).await;
     let poison = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 3, "poison": "counted" })).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    held.commit().await.unwrap();
+    gate.release().await;
     eventually(Duration::from_secs(30), "the poison event is dead-lettered", || async {
         host.count("SELECT count(*) FROM obx.dead_letter WHERE consumer = 'testbed'")
             .await

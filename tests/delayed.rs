@@ -322,9 +322,7 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
         (b, written)
     });
     eventually(Duration::from_secs(10), "b's emit waits for a", || async {
-        let waiting = "SELECT count(*) FROM pg_stat_activity \
-                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
-        host.count(waiting).await >= 1
+        host.lock_waits().await >= 1
     })
     .await;
     sqlx::query("COMMIT").execute(&mut a).await.unwrap();

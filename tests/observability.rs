@@ -271,6 +271,8 @@ async fn metrics_move_as_events_flow() {
 /// A host with the testbed plugin whose calls wait for the tests' locks (20 s) rather than
 /// failing, so that a statement or a commit can be made slow on purpose.
 async fn patient_host() -> Arc<TestHost> {
+    // The log is captured from before the host starts.
+    events();
     let host = spawn_host_with(&["testbed"], |c| {
         c.limits.lock_timeout = Duration::from_secs(20);
         c.limits.statement_timeout = Duration::from_secs(20);
@@ -280,46 +282,57 @@ async fn patient_host() -> Arc<TestHost> {
     Arc::new(host)
 }
 
+/// Sends the testbed command `emit` with `body` (and `key` as its Idempotency-Key, if any)
+/// while another session holds `lock` (a `LOCK TABLE`) for 1.3 s, longer than the slow
+/// threshold; asserts it answered 200, and returns the log line of the slow `step`.
+async fn slow_step(
+    host: &Arc<TestHost>,
+    lock: &str,
+    body: serde_json::Value,
+    key: Option<&'static str>,
+    step: &str,
+) -> String {
+    let events = events();
+    let mut held = host.db.begin().await.unwrap();
+    sqlx::query(lock).execute(&mut *held).await.unwrap();
+    let call = {
+        let host = host.clone();
+        tokio::spawn(async move {
+            match key {
+                Some(key) => host.command_with_key("testbed", "emit", body, key).await,
+                None => host.command("testbed", "emit", body).await,
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    held.commit().await.unwrap();
+    let answer = call.await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let logged = events.lock().unwrap().join("\n");
+    let wanted = format!("\"step\": \"{step}\"");
+    let line = logged
+        .lines()
+        .find(|l| l.contains("a plugin session's round trip was slow") && l.contains(&wanted));
+    assert!(line.is_some(), "no slow {step} line: {logged}");
+    logged
+}
+
 /// A slow commit is logged, by the host, without the values it carried: a commit's round
 /// trip holds the events' payloads as text, which a database driver's slow-statement log
 /// would print whole.
 #[tokio::test]
 async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
-    let events = events();
     let host = patient_host().await;
-    // The commit's outbox insert waits for this lock, for longer than the slow threshold.
-    let mut lock = host.db.begin().await.unwrap();
-    sqlx::query("LOCK TABLE obx.outbox_event IN SHARE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
     let marker = "card-4111-1111-kept-out-of-logs";
-    let call = {
-        let host = host.clone();
-        tokio::spawn(async move {
-            host.command(
-                "testbed",
-                "emit",
-                json!({ "id": "slow", "payload": { "card": marker } }),
-            )
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
-    lock.commit().await.unwrap();
-    let answer = call.await.unwrap();
-    assert_eq!(answer.status, 200, "{}", answer.text);
+    // The commit's outbox insert waits for the lock.
+    let body = json!({ "id": "slow", "payload": { "card": marker } });
+    let logged = slow_step(&host, "LOCK TABLE obx.outbox_event IN SHARE MODE", body, None, "commit").await;
     let stored = host
         .count(&format!(
             "SELECT count(*) FROM obx.outbox_event WHERE payload->>'card' = '{marker}'"
         ))
         .await;
     assert_eq!(stored, 1, "the event was committed");
-    let logged = events.lock().unwrap().join("\n");
-    let line = logged
-        .lines()
-        .find(|l| l.contains("a plugin session's round trip was slow") && l.contains("\"step\": \"commit\""));
-    assert!(line.is_some(), "no slow-commit line: {logged}");
     assert!(!logged.contains(marker), "a payload reached the log: {logged}");
 }
 
@@ -327,35 +340,16 @@ async fn a_slow_commit_is_logged_without_the_payloads_it_carried() {
 /// commit is: its duration, not the key it carried.
 #[tokio::test]
 async fn a_slow_begin_is_logged_without_the_key_it_claimed() {
-    let events = events();
     let host = patient_host().await;
-    // The claim's insert waits for this lock, for longer than the slow threshold.
-    let mut lock = host.db.begin().await.unwrap();
-    sqlx::query("LOCK TABLE obx.idempotency_key IN EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
     let key = "key-of-customer-7-kept-out-of-logs";
-    let call = {
-        let host = host.clone();
-        tokio::spawn(async move {
-            let body = json!({ "id": "claimed", "payload": {} });
-            host.command_with_key("testbed", "emit", body, key).await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
-    lock.commit().await.unwrap();
-    let answer = call.await.unwrap();
-    assert_eq!(answer.status, 200, "{}", answer.text);
+    // The claim's insert waits for the lock.
+    let body = json!({ "id": "claimed", "payload": {} });
+    let lock = "LOCK TABLE obx.idempotency_key IN EXCLUSIVE MODE";
+    let logged = slow_step(&host, lock, body, Some(key), "begin").await;
     let claimed = host
         .count(&format!("SELECT count(*) FROM obx.idempotency_key WHERE key = '{key}'"))
         .await;
     assert_eq!(claimed, 1, "the key was claimed and answered");
-    let logged = events.lock().unwrap().join("\n");
-    let line = logged
-        .lines()
-        .find(|l| l.contains("a plugin session's round trip was slow") && l.contains("\"step\": \"begin\""));
-    assert!(line.is_some(), "no slow-begin line: {logged}");
     assert!(!logged.contains(key), "an Idempotency-Key reached the log: {logged}");
 }
 

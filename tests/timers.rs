@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{eventually, spawn_host, spawn_host_on, spawn_host_with, TestHost};
+use obx_tests::{eventually, spawn_host, spawn_host_on, spawn_host_with, Gate, TestHost};
 use serde_json::{json, Value};
 
 async fn schedule(host: &TestHost, body: Value) -> u16 {
@@ -229,29 +229,17 @@ async fn a_plugins_backlog_does_not_hold_up_another_plugins_timers() {
 /// no other plugin's timers: each plugin's batch runs at once with the others'.
 #[tokio::test]
 async fn a_plugins_slow_timer_handler_does_not_hold_up_another_plugins_timers() {
-    use sqlx::Connection;
     let host = spawn_host_with(&["testbed", "orders"], |c| {
         c.limits.call_deadline = Duration::from_secs(30);
         c.limits.lock_timeout = Duration::from_secs(30);
         c.limits.statement_timeout = Duration::from_secs(30);
     })
     .await;
-    sqlx::query("INSERT INTO testbed.counters (name, n) VALUES ('gate', 0)")
-        .execute(&host.db)
-        .await
-        .unwrap();
-    let mut gate = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
-    let mut held = gate.begin().await.unwrap();
-    sqlx::query("SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE")
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    let gate = Gate::hold(&host.database_url).await;
     let slow = json!({ "name": "slow", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
     assert_eq!(schedule(&host, slow).await, 200);
-    let waiting = "SELECT count(*) FROM pg_stat_activity \
-                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
     eventually(Duration::from_secs(10), "testbed's timer handler waits", || async {
-        host.count(waiting).await >= 1
+        host.lock_waits().await >= 1
     })
     .await;
     // orders handles no timers (its SDK export fails them): an attempt shows it was fired.
@@ -267,7 +255,7 @@ async fn a_plugins_slow_timer_handler_does_not_hold_up_another_plugins_timers() 
     })
     .await;
     assert_eq!(fired(&host).await, 0, "testbed's timer is still waiting");
-    held.commit().await.unwrap();
+    gate.release().await;
     eventually(Duration::from_secs(10), "testbed's timer fires", || async {
         fired(&host).await == 1
     })

@@ -504,6 +504,14 @@ impl TestHost {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// How many sessions of this host's database wait for a lock now.
+    pub async fn lock_waits(&self) -> i64 {
+        self.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+    }
+
     /// The database role of plugin `name`.
     pub async fn plugin_role(&self, name: &str) -> String {
         sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1")
@@ -619,6 +627,32 @@ pub fn murmur2(data: &[u8]) -> i32 {
     h = h.wrapping_mul(M);
     h ^= h >> 15;
     h as i32
+}
+
+/// A session that holds the row lock of the testbed's counter `gate`: testbed handlers given
+/// `"gate": true` (events, timers) and statements that update the counter wait for it, without
+/// burning CPU, until [`Gate::release`].
+pub struct Gate(sqlx::PgConnection);
+
+impl Gate {
+    /// Creates the counter if need be, and takes its lock, on the database at `database_url`.
+    pub async fn hold(database_url: &str) -> Gate {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(database_url).await.unwrap();
+        for statement in [
+            "INSERT INTO testbed.counters (name, n) VALUES ('gate', 0) ON CONFLICT DO NOTHING",
+            "BEGIN",
+            "SELECT n FROM testbed.counters WHERE name = 'gate' FOR UPDATE",
+        ] {
+            sqlx::query(statement).execute(&mut conn).await.unwrap();
+        }
+        Gate(conn)
+    }
+
+    /// Lets the waiting handlers go.
+    pub async fn release(mut self) {
+        sqlx::query("COMMIT").execute(&mut self.0).await.unwrap();
+    }
 }
 
 #[cfg(test)]
