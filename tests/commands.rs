@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{spawn_host, Gate, TestHost};
+use obx_tests::{spawn_host, spawn_host_with, Gate, TestHost};
 use serde_json::json;
 
 async fn rows_for(host: &TestHost, id: &str) -> (i64, i64) {
@@ -171,6 +171,56 @@ async fn no_memory_of_a_call_reaches_the_next() {
             "round {round}: a call saw a stain of an earlier one"
         );
     }
+    host.shutdown().await;
+}
+
+/// A command cut off while it waits to claim an Idempotency-Key (another transaction holds
+/// the key; here the HTTP request timeout ends it) leaves nothing behind: its session is
+/// closed, not pooled inside the transaction its `BEGIN` began with the claim in it (which
+/// held the key against every retry, and let the next command's commit commit the claim).
+#[tokio::test]
+async fn a_command_cut_off_while_its_key_claim_waits_leaves_no_session_in_a_transaction() {
+    use sqlx::Connection;
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.request_timeout = Duration::from_secs(2);
+        // Nothing else takes a testbed session meanwhile (an inbox step would, and end the
+        // transaction it found).
+        c.consumer.enabled = false;
+        c.limits.lock_timeout = Duration::from_secs(30);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut holder = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("INSERT INTO obx.idempotency_key (plugin, key, request_hash) VALUES ('testbed', 'k-gone', '\\x00')")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let cut = host
+        .command_with_key("testbed", "counter", json!({ "id": "gone" }), "k-gone")
+        .await;
+    assert_eq!(cut.status, 503, "{}", cut.text);
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+
+    let role = host.plugin_role("testbed").await;
+    let in_transaction =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND state LIKE 'idle in transaction%'");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        host.count(&in_transaction).await,
+        0,
+        "a plugin session was left in a transaction"
+    );
+    let retry = host
+        .command_with_key("testbed", "counter", json!({ "id": "gone" }), "k-gone")
+        .await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert!(
+        retry.headers.get("idempotent-replayed").is_none(),
+        "{:?}",
+        retry.headers
+    );
+    assert_eq!(retry.body, json!({ "n": 1 }));
     host.shutdown().await;
 }
 

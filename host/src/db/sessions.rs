@@ -208,7 +208,7 @@ impl Sessions {
         // gone: enough tries to get past all of them to a new one.
         let (mut tampered_left, mut gone_left) = (BEGIN_ATTEMPTS, self.max_connections as usize + 1);
         while tampered_left > 0 && gone_left > 0 {
-            let mut conn = pool.acquire().await?;
+            let mut conn = Opening(Some(pool.acquire().await?));
             // A plain string goes over the simple protocol: every statement in one round trip.
             let sql = if then.is_empty() {
                 std::borrow::Cow::Borrowed(BEGIN)
@@ -216,7 +216,7 @@ impl Sessions {
                 std::borrow::Cow::Owned(format!("{BEGIN}; {then}"))
             };
             let sent = Instant::now();
-            let rows = (&mut *conn).fetch_all(&*sql).await;
+            let rows = (&mut **conn).fetch_all(&*sql).await;
             warn_if_slow(&role, "begin", sent, rows.is_ok());
             let row = rows.and_then(|mut rows| {
                 let first = rows.first().ok_or(sqlx::Error::RowNotFound)?;
@@ -231,7 +231,7 @@ impl Sessions {
             match row {
                 Ok(((pid, started, 0), rows)) => {
                     let tx = PluginTx {
-                        conn: Some(conn),
+                        conn: Some(conn.hand_over()),
                         pid,
                         started,
                         role,
@@ -289,6 +289,39 @@ fn warn_if_slow(role: &str, step: &'static str, sent: Instant, ok: bool) {
     if elapsed >= SLOW_STATEMENT {
         let elapsed_ms = elapsed.as_millis() as u64;
         tracing::warn!(role, step, elapsed_ms, ok, "a plugin session's round trip was slow");
+    }
+}
+
+/// A pooled session on its way into a call's transaction: closed, never pooled, if it is
+/// dropped before [`Opening::hand_over`]. A call cancelled while its `BEGIN` round trip waits
+/// (for an Idempotency-Key that another call holds, say) would otherwise return the session
+/// to the pool inside the transaction that round trip began, with its claim in it.
+struct Opening(Option<PoolConnection<Postgres>>);
+
+impl Opening {
+    fn hand_over(mut self) -> PoolConnection<Postgres> {
+        self.0.take().expect("handed over once")
+    }
+}
+
+impl Deref for Opening {
+    type Target = PoolConnection<Postgres>;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("open until handed over")
+    }
+}
+
+impl DerefMut for Opening {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("open until handed over")
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.as_mut() {
+            conn.close_on_drop();
+        }
     }
 }
 
