@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use obx_tests::{consume, eventually, producer, send_event, send_event_with_id, spawn_host, spawn_host_with, TestHost};
+use obx_tests::{
+    consume, eventually, metric_value, producer, send_event, send_event_with_id, spawn_host, spawn_host_with, TestHost,
+};
 use serde_json::json;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -265,6 +267,26 @@ async fn metrics_move_as_events_flow() {
         .clone();
     assert_eq!(testbed["dead_letters"], 1, "{status}");
     assert!(status["plugins"].as_array().unwrap().len() >= 2);
+    host.shutdown().await;
+}
+
+/// Plugin and command names that no loaded plugin knows add no metric series: a client
+/// making names up would otherwise grow the host's memory, and every scrape, without bound.
+#[tokio::test]
+async fn made_up_plugin_and_command_names_add_no_metric_series() {
+    let host = spawn_host(&["testbed"]).await;
+    for i in 0..20 {
+        let answer = host.command(&format!("madeup{i}"), "x", json!({})).await;
+        assert_eq!(answer.status, 404, "{}", answer.text);
+        let answer = host.command("testbed", &format!("madeup{i}"), json!({})).await;
+        assert_eq!(answer.status, 404, "{}", answer.text);
+    }
+    let rendered = obx::telemetry::metrics().render();
+    assert!(!rendered.contains("madeup"), "a made-up name became a label");
+    assert!(
+        metric_value(r#"obx_commands_total{plugin="testbed",command="unknown",outcome="unknown_command"}"#) >= 20.0,
+        "{rendered}"
+    );
     host.shutdown().await;
 }
 

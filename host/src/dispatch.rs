@@ -265,10 +265,10 @@ impl Dispatcher {
             Ok(_) => "ok",
             Err(e) => e.code(),
         };
-        metrics::counter!("obx_commands_total", "plugin" => req.plugin.clone(), "command" => req.command.clone(), "outcome" => outcome)
+        let (plugin, command) = metric_labels(req, &result);
+        metrics::counter!("obx_commands_total", "plugin" => plugin.clone(), "command" => command, "outcome" => outcome)
             .increment(1);
-        metrics::histogram!("obx_command_duration_seconds", "plugin" => req.plugin.clone())
-            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("obx_command_duration_seconds", "plugin" => plugin).record(started.elapsed().as_secs_f64());
         match &result {
             Err(e) if e.status() >= 500 => tracing::warn!(
                 plugin = %req.plugin, command = %req.command, request_id = %req.request_id,
@@ -404,6 +404,18 @@ impl Dispatcher {
             self.signal.notify();
         }
         Ok(())
+    }
+}
+
+/// The plugin and command labels of a command's metrics: names the caller sent that no loaded
+/// plugin knows are counted as `unknown`, so that a client cannot add a metric series, held
+/// for the host's life, with every name it makes up.
+fn metric_labels(req: &CommandRequest, result: &Result<CommandResponse, CommandError>) -> (String, String) {
+    const UNKNOWN: &str = "unknown";
+    match result {
+        Err(CommandError::UnknownPlugin(_)) => (UNKNOWN.into(), UNKNOWN.into()),
+        Err(CommandError::UnknownCommand { .. }) => (req.plugin.clone(), UNKNOWN.into()),
+        _ => (req.plugin.clone(), req.command.clone()),
     }
 }
 
