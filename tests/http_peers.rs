@@ -120,3 +120,34 @@ async fn an_idle_keep_alive_connection_is_closed_after_the_header_timeout() {
     );
     host.shutdown().await;
 }
+
+/// A request head over 64 KiB is refused with 431 and its connection closed, rather than
+/// buffered: hyper's default let each peer pin about 400 KiB. A head of ordinary size is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_over_64_kib_is_refused_with_431() {
+    let host = host().await;
+    let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: obx\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(100 * 1024)
+    );
+    // The server may close before it has read it all.
+    let _ = peer.write_all(head.as_bytes()).await;
+    let mut buf = vec![0u8; 4096];
+    let n = peer.read(&mut buf).await.unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert!(closed(&mut peer, Duration::from_secs(5)).await, "still open");
+
+    let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: obx\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(16 * 1024)
+    );
+    peer.write_all(head.as_bytes()).await.unwrap();
+    let n = peer.read(&mut buf).await.unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    host.shutdown().await;
+}

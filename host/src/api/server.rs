@@ -7,6 +7,7 @@
 //! - A connection that has not sent a request's whole head within `http.header_read_timeout`
 //!   is closed: a slow sender, or a keep-alive connection idle that long. Slow peers thus
 //!   free their places.
+//! - A request head (start line and headers) over 64 KiB is refused (431).
 //! - A request's body and handling are bounded by the router's own layers
 //!   (`http.max_body_bytes`, `http.request_timeout`).
 
@@ -19,6 +20,11 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+
+/// The largest request head (start line and headers) a connection takes; a larger one is
+/// answered 431 and the connection closed. Without it, hyper buffered a head up to about
+/// 400 KiB: with `http.max_connections` peers, no token needed, hundreds of MiB.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
 
 /// What bounds the server's connections.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +40,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        .max_header_size(MAX_HEAD_BYTES)
         .keep_alive(true);
     // Each connection task holds a clone; when all are gone, every connection has closed.
     let (open_tx, open) = watch::channel(());
