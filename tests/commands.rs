@@ -403,6 +403,22 @@ async fn http_errors_have_stable_codes() {
         .command_with_key("testbed", "ok", json!({ "id": "k" }), &long_key)
         .await;
     assert_eq!((a.status, a.code()), (400, "invalid_idempotency_key"));
+    // A key a proxy could fold or trim, or two keys of which one would be taken: refused,
+    // and nothing ran.
+    let body = json!({ "id": "two-keys" }).to_string().into_bytes();
+    let outbox = "SELECT count(*) FROM obx.outbox_event";
+    let before = host.count(outbox).await;
+    for keys in [
+        &[("idempotency-key", "a b")][..],
+        &[("idempotency-key", "a\tb")],
+        &[("idempotency-key", "k-1"), ("idempotency-key", "k-2")],
+    ] {
+        let mut headers = json_ct.to_vec();
+        headers.extend_from_slice(keys);
+        let a = host.request("testbed", "emit", body.clone(), &headers).await;
+        assert_eq!((a.status, a.code()), (400, "invalid_idempotency_key"), "{keys:?}");
+    }
+    assert_eq!(host.count(outbox).await, before);
     let a = host.command("testbed", "respond", json!({ "body": "not json" })).await;
     assert_eq!((a.status, a.code()), (500, "invalid_response"));
     let a = host.get("/v1/nothing-here").await;

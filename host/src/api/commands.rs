@@ -98,18 +98,12 @@ async fn handle(
             &format!("the body is not valid JSON: {e}"),
         );
     }
-    let idempotency_key = match headers.get("idempotency-key") {
-        None => None,
-        Some(v) => match v.to_str() {
-            Ok(k) if !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY => Some(k.to_string()),
-            _ => {
-                return error_response(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_idempotency_key",
-                    "Idempotency-Key must be 1-255 visible ASCII characters",
-                )
-            }
-        },
+    let Ok(idempotency_key) = idempotency_key(&headers) else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            "Idempotency-Key must be one header of 1-255 visible ASCII characters, no spaces",
+        );
     };
     let request = CommandRequest {
         plugin,
@@ -125,6 +119,26 @@ async fn handle(
         response.headers_mut().insert("traceparent", v);
     }
     response
+}
+
+/// The request's `Idempotency-Key`, if it has one: one header of 1 to
+/// [`MAX_IDEMPOTENCY_KEY`] visible ASCII characters. A key with a space or a tab in it, or a
+/// request with two keys, is an error: taking one of two keys, or a key that a proxy may
+/// fold or trim, could replay another command's answer.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ()> {
+    let mut keys = headers.get_all("idempotency-key").iter();
+    let (Some(key), None) = (keys.next(), keys.next()) else {
+        return if headers.contains_key("idempotency-key") {
+            Err(())
+        } else {
+            Ok(None)
+        };
+    };
+    let key = key.as_bytes();
+    if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY || !key.iter().all(u8::is_ascii_graphic) {
+        return Err(());
+    }
+    Ok(Some(String::from_utf8(key.to_vec()).expect("ASCII")))
 }
 
 fn respond(result: Result<crate::dispatch::CommandResponse, crate::dispatch::CommandError>) -> Response {
