@@ -1,5 +1,6 @@
 //! What a broken or hostile HTTP peer can do to the host: open connections by the hundred,
-//! send a request's head slowly or never, keep a connection idle. The host holds a bounded
+//! send a request's head slowly or never, keep a connection idle, send requests and never
+//! read the answers. The host holds a bounded
 //! number of connections (so that peers cannot take the descriptors it needs for Postgres,
 //! Kafka and plugins), closes the slow and the idle, and serves callers again once they are
 //! gone.
@@ -13,11 +14,13 @@ use tokio::net::TcpStream;
 
 const MAX_CONNECTIONS: usize = 16;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(1);
+const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
 async fn host() -> TestHost {
     spawn_host_with(&["testbed"], |c| {
         c.http.max_connections = MAX_CONNECTIONS;
         c.http.header_read_timeout = HEADER_READ_TIMEOUT;
+        c.http.write_timeout = WRITE_TIMEOUT;
     })
     .await
 }
@@ -149,5 +152,55 @@ async fn a_request_head_over_64_kib_is_refused_with_431() {
     let n = peer.read(&mut buf).await.unwrap();
     let answer = String::from_utf8_lossy(&buf[..n]);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    host.shutdown().await;
+}
+
+/// Peers that pipeline requests for large answers and never read them, on sockets with a
+/// small receive buffer: the server's writes stop. Each connection is closed once a write
+/// has waited `http.write_timeout`, and callers are served again. Before, each such peer
+/// held its place for ever, so `http.max_connections` of them shut every caller out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_that_never_read_their_answers_are_closed_after_the_write_timeout() {
+    let host = host().await;
+    let port = host.host.addr.port();
+    let request = format!(
+        "POST /v1/commands/testbed/huge HTTP/1.1\r\nHost: obx\r\nContent-Type: application/json\r\n\
+         Content-Length: {len}\r\n\r\n{body}",
+        len = r#"{"id":"h","bytes":524288}"#.len(),
+        body = r#"{"id":"h","bytes":524288}"#,
+    );
+    let mut writers = tokio::task::JoinSet::new();
+    for _ in 0..MAX_CONNECTIONS {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut peer = socket.connect(host.host.addr).await.unwrap();
+        let requests = request.repeat(32);
+        // Writes until the server closes the connection; never reads.
+        writers.spawn(async move {
+            let _ = peer.write_all(requests.as_bytes()).await;
+            std::future::pending::<()>().await
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(accepted(port), MAX_CONNECTIONS, "every place is taken");
+
+    // A caller is served once the stalled connections are closed.
+    let started = Instant::now();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(15),
+        host.command(
+            "testbed",
+            "emit",
+            json!({ "id": "after-readers", "topic": "testbed.events" }),
+        ),
+    )
+    .await
+    .expect("a caller was shut out by peers that never read");
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The caller's own connection may still be open, kept alive.
+    assert!(accepted(port) <= 1, "a stalled connection is still open");
+    writers.abort_all();
     host.shutdown().await;
 }

@@ -187,6 +187,7 @@ pub async fn start(config: Config) -> Result<Host> {
     let limits = api::server::Limits {
         max_connections: config.http.max_connections,
         header_read_timeout: config.http.header_read_timeout,
+        write_timeout: config.http.write_timeout,
     };
     let server = tokio::spawn(api::server::serve(listener, router, limits, stopped));
     ready.store(true, Ordering::SeqCst);

@@ -162,6 +162,10 @@ pub struct HttpConfig {
     /// slow sender, or a keep-alive connection idle that long.
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
+    /// A connection whose peer takes no byte of an answer for this long is closed: a peer
+    /// that sends requests and never reads the answers would hold its place for ever.
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
     /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands and
     /// events, the relay's last batch. A second signal stops at once.
     #[serde(with = "humantime_serde")]
@@ -177,6 +181,7 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(30),
             max_connections: 1024,
             header_read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
             auth: AuthConfig::default(),
         }
@@ -768,6 +773,9 @@ impl Config {
         if self.http.header_read_timeout < Duration::from_millis(100) {
             return invalid("http.header_read_timeout", "must be at least 100ms");
         }
+        if self.http.write_timeout < Duration::from_millis(100) {
+            return invalid("http.write_timeout", "must be at least 100ms");
+        }
         if l.call_deadline < Duration::from_millis(10) {
             return invalid("limits.call_deadline", "must be at least 10ms");
         }
@@ -1013,6 +1021,11 @@ mod tests {
                 "header timeout too short",
                 "[http]\nheader_read_timeout = \"10ms\"",
                 "http.header_read_timeout",
+            ),
+            (
+                "write timeout too short",
+                "[http]\nwrite_timeout = \"10ms\"",
+                "http.write_timeout",
             ),
             (
                 "pool too small",

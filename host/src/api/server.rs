@@ -7,18 +7,26 @@
 //! - A connection that has not sent a request's whole head within `http.header_read_timeout`
 //!   is closed: a slow sender, or a keep-alive connection idle that long. Slow peers thus
 //!   free their places.
+//! - A connection whose peer takes no byte of an answer for `http.write_timeout` is closed:
+//!   a peer that pipelines requests and never reads the answers, or reads too slowly to
+//!   free the socket's buffer. Without it such a peer held its place for ever.
 //! - A request head (start line and headers) over 64 KiB is refused (431).
 //! - A request's body and handling are bounded by the router's own layers
 //!   (`http.max_body_bytes`, `http.request_timeout`).
 
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
 /// The largest request head (start line and headers) a connection takes; a larger one is
@@ -31,6 +39,7 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    pub write_timeout: Duration,
 }
 
 /// Serves `router` on `listener` until `stop` turns true; then stops accepting, lets each
@@ -63,6 +72,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
             _ = stopped(&mut stop) => break,
         };
         let _ = stream.set_nodelay(true);
+        let stream = WriteDeadline::new(stream, limits.write_timeout);
         let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
         let mut stop = stop.clone();
         let open = open.clone();
@@ -88,4 +98,84 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
 /// Resolves once `stop` is true (or its sender is gone).
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
+}
+
+/// A connection whose writes fail once one has waited `timeout` for the peer to take a
+/// byte; hyper then closes the connection. A write that makes progress starts the clock
+/// again. The kernel wakes a blocked writer only once a good part of the socket's buffer
+/// is free, so a peer that reads a byte now and then does not keep a write alive.
+struct WriteDeadline {
+    stream: TcpStream,
+    timeout: Duration,
+    /// Armed when a write first has to wait; disarmed by any progress.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl WriteDeadline {
+    fn new(stream: TcpStream, timeout: Duration) -> WriteDeadline {
+        WriteDeadline {
+            stream,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// What a write that found no room returns: `Pending`, until the deadline passes.
+    fn waited<T>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let timeout = self.timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer took no part of an answer within http.write_timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for WriteDeadline {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteDeadline {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.waited(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.waited(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_flush(cx);
+        this.waited(cx, polled)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_shutdown(cx);
+        this.waited(cx, polled)
+    }
 }
