@@ -282,7 +282,7 @@ async fn the_same_idempotency_key_runs_the_handler_once() {
 #[tokio::test]
 async fn an_idempotency_key_made_of_quotes_and_backslashes_is_kept_as_given() {
     let host = spawn_host(&["testbed"]).await;
-    let key = r#"k'); COMMIT; SELECT ('\'' "x"#;
+    let key = r#"k');COMMIT;SELECT('\''"x"#;
     let first = host
         .command_with_key("testbed", "counter", json!({ "id": "q" }), key)
         .await;
