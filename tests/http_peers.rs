@@ -204,3 +204,37 @@ async fn peers_that_never_read_their_answers_are_closed_after_the_write_timeout(
     writers.abort_all();
     host.shutdown().await;
 }
+
+/// A body that does not all arrive within `http.request_timeout` is answered 408 (the
+/// client was slow; a retry on a better link may succeed) and the connection closed, not
+/// 503 as if the host were the one that could not keep up. Nothing ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_slower_than_the_request_timeout_is_answered_408() {
+    let host = spawn_host_with(&["testbed"], |c| c.http.request_timeout = Duration::from_secs(1)).await;
+    let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
+    let body = r#"{"id":"slow-body","topic":"testbed.events"}"#;
+    let head = format!(
+        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: obx\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    peer.write_all(head.as_bytes()).await.unwrap();
+    peer.write_all(&body.as_bytes()[..10]).await.unwrap();
+    let started = Instant::now();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut answer))
+        .await
+        .expect("no answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains(r#""code":"request_timeout""#), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(closed(&mut peer, Duration::from_secs(3)).await, "still open");
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE aggregate_id = 'slow-body'")
+            .await,
+        0
+    );
+    host.shutdown().await;
+}

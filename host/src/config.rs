@@ -152,7 +152,8 @@ pub struct HttpConfig {
     pub listen: SocketAddr,
     /// The largest request body accepted, in bytes.
     pub max_body_bytes: usize,
-    /// Requests that take longer are answered 503.
+    /// Requests that take longer, from their head's arrival, are answered 408 if their body
+    /// had not all arrived, 503 otherwise.
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
     /// The most HTTP connections open at once; past that the server stops accepting until

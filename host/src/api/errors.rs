@@ -11,7 +11,7 @@ pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response
 }
 
 /// Gives a JSON body to error responses that have none of their own: a body over the size
-/// limit (413), a wrong method (405), a request timeout (503), and so on.
+/// limit (413), a wrong method (405), and so on.
 pub async fn json_errors(response: Response) -> Response {
     let status = response.status();
     let is_json = response

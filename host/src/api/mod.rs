@@ -7,6 +7,7 @@
 mod admin;
 mod auth;
 mod commands;
+mod deadline;
 mod errors;
 pub mod server;
 
@@ -21,7 +22,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use sqlx::PgPool;
-use tower_http::timeout::TimeoutLayer;
 
 use crate::config::HttpConfig;
 use crate::dispatch::Dispatcher;
@@ -72,9 +72,9 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .merge(admin)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(http.max_body_bytes))
-        .layer(TimeoutLayer::with_status_code(
-            StatusCode::SERVICE_UNAVAILABLE,
+        .layer(axum::middleware::from_fn_with_state(
             http.request_timeout,
+            deadline::deadline,
         ))
         .layer(axum::middleware::map_response(errors::json_errors))
         .with_state(Arc::new(state))
