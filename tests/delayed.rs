@@ -353,3 +353,52 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
     b.close().await.unwrap();
     host.shutdown().await;
 }
+
+/// With no delayed event waiting, the release says so (NULL), and an idle relay waits for a
+/// commit or its poll. It said "due in 0 ms" (greatest() skips a NULL), so every idle relay
+/// stepped at `relay.min_step_interval`: some 400 transactions a second per idle host.
+#[tokio::test]
+async fn an_idle_relay_with_nothing_delayed_waits_for_its_poll() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.relay.poll_interval = Duration::from_secs(2);
+        c.consumer.enabled = false;
+    })
+    .await;
+    let next: Option<i64> = sqlx::query_scalar("SELECT next_due_ms FROM obx.outbox_release_due(1)")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(next, None, "nothing is delayed, yet something is said to be due");
+
+    let commits = || async {
+        // Backends report their counts when idle, at most once a second.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        sqlx::query_scalar::<_, i64>("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&host.db)
+            .await
+            .unwrap()
+    };
+    let before = commits().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let per_second = (commits().await - before) as f64 / 4.5;
+    // What is left: the timer loop's probe and the relay's poll, a few a second.
+    assert!(
+        per_second < 60.0,
+        "an idle host commits {per_second:.0} transactions a second"
+    );
+
+    // A delayed event still goes out when due, and the relay is idle again after it.
+    let seq = sequenced(&host, "idle-after", Some(300)).await;
+    eventually(Duration::from_secs(10), "the delayed event is published", || {
+        published(&host, "idle-after", seq)
+    })
+    .await;
+    let before = commits().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let per_second = (commits().await - before) as f64 / 4.5;
+    assert!(
+        per_second < 60.0,
+        "after a release, an idle host commits {per_second:.0} a second"
+    );
+    host.shutdown().await;
+}
