@@ -238,3 +238,45 @@ async fn a_body_slower_than_the_request_timeout_is_answered_408() {
     );
     host.shutdown().await;
 }
+
+/// `/readyz` needs no token. Each request used to ping Postgres on the host's own pool, so
+/// a peer that could reach the port could keep the host's sessions and Postgres busy. An
+/// answer now stands for a second: a flood of requests costs a ping or two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_readiness_requests_costs_postgres_a_ping_a_second() {
+    let host = host().await;
+    let commits = || async {
+        // Backends report their counts when idle, at most once a second.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        sqlx::query_scalar::<_, i64>("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&host.db)
+            .await
+            .unwrap()
+    };
+    let base = commits().await;
+    let idle = commits().await - base;
+    let before = commits().await;
+    let started = Instant::now();
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let (client, url) = (reqwest::Client::new(), format!("{}/readyz", host.url));
+        requests.spawn(async move {
+            for _ in 0..100 {
+                let answer = client.get(&url).send().await.unwrap();
+                assert_eq!(answer.status(), 200);
+            }
+        });
+    }
+    while let Some(done) = requests.join_next().await {
+        done.unwrap();
+    }
+    let flood = started.elapsed();
+    let during = commits().await - before;
+    println!("idle: {idle} commits in 1.5 s; 800 readiness requests in {flood:?}: {during} commits");
+    // Whatever else the host does in that time, plus a ping per second of the flood.
+    assert!(
+        during <= 2 * idle + flood.as_secs() as i64 + 10,
+        "800 readiness requests cost {during} commits (idle: {idle})"
+    );
+    host.shutdown().await;
+}

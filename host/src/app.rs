@@ -177,6 +177,7 @@ pub async fn start(config: Config) -> Result<Host> {
         kafka: config.kafka.clone(),
         linger_ms: config.relay.linger_ms,
         service: config.service.name.clone(),
+        readiness: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await

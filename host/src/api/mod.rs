@@ -44,6 +44,36 @@ pub struct AppState {
     pub linger_ms: u32,
     /// `service.name`, for the event catalogue.
     pub service: String,
+    /// Postgres's last answer to `/readyz`.
+    pub readiness: Readiness,
+}
+
+/// How long an answer of Postgres to a readiness ping stands.
+const READINESS_KEPT: Duration = Duration::from_secs(1);
+
+/// Postgres's last answer to a readiness ping, kept [`READINESS_KEPT`]. `/readyz` needs no
+/// token: with a ping per request, any peer that reaches the port could keep the host's own
+/// sessions busy (the relay's, the consumers') and Postgres with them.
+#[derive(Default)]
+pub struct Readiness {
+    last: tokio::sync::Mutex<Option<(std::time::Instant, bool)>>,
+}
+
+impl Readiness {
+    /// Whether Postgres answers: asked at most once per [`READINESS_KEPT`]; requests that
+    /// come while it is asked wait for that answer.
+    async fn database_answers(&self, pool: &PgPool) -> bool {
+        let mut last = self.last.lock().await;
+        if let Some((at, answered)) = *last {
+            if at.elapsed() < READINESS_KEPT {
+                return answered;
+            }
+        }
+        let ping = tokio::time::timeout(Duration::from_secs(2), sqlx::query("SELECT 1").execute(pool)).await;
+        let answered = matches!(ping, Ok(Ok(_)));
+        *last = Some((std::time::Instant::now(), answered));
+        answered
+    }
 }
 
 pub fn router(state: AppState, http: &HttpConfig) -> Router {
@@ -135,7 +165,8 @@ async fn healthz() -> Response {
     Json(json!({ "status": "ok" })).into_response()
 }
 
-/// Readiness: plugins are loaded, shutdown has not begun, and Postgres answers.
+/// Readiness: plugins are loaded, shutdown has not begun, and Postgres answers (as of at
+/// most a second ago).
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if !state.ready.load(Ordering::SeqCst) {
         return error_response(
@@ -144,10 +175,9 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             "the host is starting or stopping",
         );
     }
-    let ping = tokio::time::timeout(Duration::from_secs(2), sqlx::query("SELECT 1").execute(&state.pool)).await;
-    match ping {
-        Ok(Ok(_)) => Json(json!({ "status": "ready" })).into_response(),
-        _ => error_response(
+    match state.readiness.database_answers(&state.pool).await {
+        true => Json(json!({ "status": "ready" })).into_response(),
+        false => error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "database_unavailable",
             "Postgres does not answer",
