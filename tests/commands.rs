@@ -548,3 +548,42 @@ async fn hostile_guests_get_a_clear_error_and_the_host_keeps_serving() {
     assert_eq!(ok.status, 200, "{}", ok.text);
     host.shutdown().await;
 }
+
+/// A command whose commit is refused for what its handler left (a deferred constraint, or
+/// a deferred trigger's own error) gets 500 `transaction_aborted`, as a refused emit does,
+/// with the database's text kept in the log: the same command would be refused again. It
+/// was 503 `database_unavailable`, which tells a client to retry.
+#[tokio::test]
+async fn a_command_whose_commit_is_refused_is_answered_500_not_503() {
+    let host = spawn_host(&["testbed"]).await;
+    // As a plugin that got past the SQL policy would: the database lets its role do this.
+    let mut session = host.plugin_session("testbed").await;
+    sqlx::raw_sql(
+        "CREATE TABLE deferred_raise (id text); \
+         CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
+         CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
+    )
+    .execute(&mut session)
+    .await
+    .unwrap();
+    for sql in [
+        "INSERT INTO deferred (id) VALUES ('twice'), ('twice')",
+        "INSERT INTO deferred_raise (id) VALUES ('refused')",
+    ] {
+        let a = host
+            .command("testbed", "sql", json!({ "sql": sql, "mode": "execute" }))
+            .await;
+        assert_eq!((a.status, a.code()), (500, "transaction_aborted"), "{sql}: {}", a.text);
+        assert!(
+            !a.text.contains("refuses"),
+            "the database's text reached the client: {}",
+            a.text
+        );
+    }
+    assert_eq!(host.count("SELECT count(*) FROM testbed.deferred").await, 0);
+    let ok = host.command("testbed", "ok", json!({ "id": "after" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    host.shutdown().await;
+}

@@ -649,18 +649,40 @@ async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fai
     host.shutdown().await;
 }
 
-/// A handler that returns `ok` but breaks a deferred constraint: its batch's commit is
-/// refused. The events go one at a time, the refusal counts as that event's failed attempt,
-/// and it is parked with its key; the rest commit once. (It was taken for the database being
-/// away, and retried for ever without counting.)
-async fn a_refused_commit_parks_its_event(logical: &str) {
+/// A handler that returns `ok` but breaks a deferred constraint (`defer_violation`: true), or
+/// leaves a deferred trigger that raises its own error (`"raise"`, SQLSTATE P0001): its
+/// batch's commit is refused. The events go one at a time, the refusal counts as that event's
+/// failed attempt, and it is parked with its key; the rest commit once. (It was taken for the
+/// database being away, and retried for ever without counting: a constraint's refusal until
+/// the first fix, any other refusal until the second.)
+async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_json::Value) {
     let broker = broker();
     let (first, topic) = not_consuming(&broker, logical).await;
+    if defer_violation == "raise" {
+        // As a plugin that got past the SQL policy would (migrations may not make functions):
+        // the database lets the plugin's role do this in its own schema.
+        let mut session = first.plugin_session("testbed").await;
+        sqlx::raw_sql(
+            "CREATE TABLE deferred_raise (id text); \
+             CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
+             CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
+        )
+        .execute(&mut session)
+        .await
+        .unwrap();
+    }
     let p = producer(&broker.bootstrap);
     let mut a = Vec::new();
     let mut b = Vec::new();
     for seq in 1..=6 {
-        let payload = json!({ "seq": seq, "defer_violation": seq == 4 });
+        let defer = if seq == 4 {
+            defer_violation.clone()
+        } else {
+            json!(false)
+        };
+        let payload = json!({ "seq": seq, "defer_violation": defer });
         a.push(send_event(&p, &topic, "A", "Thing", &payload).await);
         b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
     }
@@ -691,12 +713,22 @@ async fn a_refused_commit_parks_its_event(logical: &str) {
 
 #[tokio::test]
 async fn a_dedup_event_whose_commit_is_refused_is_parked_not_retried_for_ever() {
-    a_refused_commit_parks_its_event(DEDUP).await;
+    a_refused_commit_parks_its_event(DEDUP, json!(true)).await;
 }
 
 #[tokio::test]
 async fn an_inbox_event_whose_commit_is_refused_is_parked_not_retried_for_ever() {
-    a_refused_commit_parks_its_event(INBOX).await;
+    a_refused_commit_parks_its_event(INBOX, json!(true)).await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
+    a_refused_commit_parks_its_event(DEDUP, json!("raise")).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
+    a_refused_commit_parks_its_event(INBOX, json!("raise")).await;
 }
 
 #[tokio::test]

@@ -398,7 +398,14 @@ impl Dispatcher {
         if let Some((key, status, body)) = answer {
             idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
-        tx.commit().await.map_err(db_error)?;
+        tx.commit()
+            .await
+            .map_err(|e| match crate::db::refused_for_content(&e) {
+                // The same every time: the handler's doing (a deferred constraint or trigger),
+                // not a database to retry against.
+                true => CommandError::Aborted(format!("the commit was refused: {e}")),
+                false => db_error(e),
+            })?;
         if !events.is_empty() {
             plugin.identity.metrics().events_written.increment(events.len() as u64);
             self.signal.notify();

@@ -28,6 +28,28 @@ use crate::config::DatabaseConfig;
 /// The host's schema migrations, embedded from `migrations/` at build time.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
+/// Whether a failed commit was refused for what its transaction holds, which would refuse it
+/// the same way at every try: a deferred constraint, the error of a deferred trigger, a row
+/// the host writes at the commit. Not when the connection or the server failed (SQLSTATE
+/// classes 08, 53, 57 but a statement timeout, 58 and XX, or an error with no SQLSTATE), nor
+/// when the transaction lost to a concurrent one (class 40, a lock timeout): a retry can cure
+/// those. A plugin's trigger could raise one of those codes itself; that only has its own
+/// work retried.
+pub fn refused_for_content(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    let Some(code) = db.code() else {
+        return false;
+    };
+    match code.get(..2) {
+        Some("08" | "40" | "53" | "58" | "XX") => false,
+        Some("57") => code == "57014",
+        Some("55") => code != "55P03",
+        _ => true,
+    }
+}
+
 /// The options of every host connection to `url`: named `name` in `pg_stat_activity`, with
 /// the search path pinned to `obx`.
 pub fn host_options(url: &str, name: &str) -> Result<PgConnectOptions> {

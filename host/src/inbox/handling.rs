@@ -81,18 +81,16 @@ pub(crate) struct Failure {
     pub retriable: bool,
 }
 
-/// The failure a refused commit stands for, when the handlers caused it: a constraint they
-/// deferred to the commit, or an event id emitted twice (SQLSTATE class 23). Such a commit
-/// is refused the same way every time, so it counts as a failed attempt of the event it
-/// carried, and the event is parked in the end; any other error is the database's.
+/// The failure a refused commit stands for, when the handlers caused it (see
+/// [`crate::db::refused_for_content`]): a constraint they deferred to the commit, an error a
+/// deferred trigger raised there, an event id emitted twice. Such a commit is refused the
+/// same way every time, so it counts as a failed attempt of the event it carried, and the
+/// event is parked in the end; any other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
-    match e {
-        sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("23")) => Some(Failure {
-            error: format!("the commit was refused: {db}"),
-            retriable: true,
-        }),
-        _ => None,
-    }
+    crate::db::refused_for_content(e).then(|| Failure {
+        error: format!("the commit was refused: {e}"),
+        retriable: true,
+    })
 }
 
 /// What a failed handler undoes.

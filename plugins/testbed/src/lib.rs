@@ -211,10 +211,17 @@ impl Guest for Testbed {
                 event.attempt
             )));
         }
-        // Breaks a deferred constraint: the handler returns `ok`, the violation shows at commit.
+        // Breaks a deferred constraint: the handler returns `ok`, the violation shows at commit;
+        // with "raise", a deferred trigger raises an error of its own there (a test makes the
+        // table and trigger on a plugin session: migrations may not create functions).
         if p["defer_violation"] == true {
             execute(
                 "INSERT INTO deferred (id) VALUES ($1), ($1)",
+                &[SqlValue::Text(event.event_id.clone())],
+            )?;
+        } else if p["defer_violation"] == "raise" {
+            execute(
+                "INSERT INTO deferred_raise (id) VALUES ($1)",
                 &[SqlValue::Text(event.event_id.clone())],
             )?;
         }
