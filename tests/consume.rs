@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use obx_tests::{
     broker, consume, eventually, metric_value, producer, run_kafkajs, send_event, send_event_with_id, send_raw,
-    spawn_host, spawn_host_on, spawn_host_with, Gate, TestBroker, TestHost,
+    spawn_host, spawn_host_on, spawn_host_with, with_raw_header, Gate, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -872,12 +872,55 @@ async fn a_discarded_dead_letter_releases_its_key_in_inbox_mode() {
     host.shutdown().await;
 }
 
+/// A discarded dead letter of a dedup subscription is recorded as processed: delivered again
+/// (a crash before the offset commit, an offset reset, an outbox replay), it is a dedup hit.
+/// It used to run then, the event the operator had discarded, taking effect if it now could.
+#[tokio::test]
+async fn a_discarded_dedup_dead_letter_does_not_run_when_delivered_again() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 1).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(DEDUP);
+    let bad = uuid::Uuid::new_v4();
+    // Fails on the first flaky run only: parked after it (one attempt allowed).
+    send_event_with_id(&p, &topic, "K", "Thing", &json!({ "flaky": 1 }), bad).await;
+    eventually(Duration::from_secs(20), "parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 1
+    })
+    .await;
+    let id: i64 = sqlx::query_scalar("SELECT id FROM obx.dead_letter")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    obx::inbox::dlq::discard(&host.db, id).await.unwrap();
+    send_event_with_id(&p, &topic, "K", "Thing", &json!({ "flaky": 1 }), bad).await;
+    let next = send_event(&p, &topic, "K", "Thing", &json!({ "seq": 2 })).await;
+    eventually(Duration::from_secs(20), "the key moves on", || async {
+        effects(&host, next).await == 1
+    })
+    .await;
+    assert_eq!(
+        effects(&host, bad).await,
+        0,
+        "a discarded event ran when delivered again"
+    );
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 1);
+    host.shutdown().await;
+}
+
+/// Each kind of message that is not an event is quarantined with its reason, and the events
+/// after it on the partition are handled. A key with a NUL or over 1 KiB (which Postgres
+/// cannot store, or index) was retried for ever, holding up the partition and then the
+/// consumer.
 #[tokio::test]
 async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
     let host = spawn_host_with(&["testbed"], |c| c.consumer.max_message_bytes = 1024).await;
     let p = producer(&host.host.brokers.bootstrap);
     let id = uuid::Uuid::new_v4().to_string();
     let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(2000));
+    // Random, so that Postgres could not compress it into an index entry.
+    let long_key: Vec<u8> = (0..3000).map(|_| fastrand::alphanumeric() as u8).collect();
     // key, value, headers, the reason expected
     type Case<'a> = (Option<&'a [u8]>, &'a [u8], Vec<(&'a str, &'a [u8])>, &'a str);
     let cases: Vec<Case<'_>> = vec![
@@ -907,10 +950,22 @@ async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
             "key is not UTF-8",
         ),
         (
+            Some(b"a\0b"),
+            b"{}",
+            vec![("eventId", id.as_bytes()), ("eventType", b"T")],
+            "key holds a NUL",
+        ),
+        (
+            Some(long_key.as_slice()),
+            b"{}",
+            vec![("eventId", id.as_bytes()), ("eventType", b"T")],
+            "key is 3000 bytes",
+        ),
+        (
             Some(b"k"),
             big.as_bytes(),
             vec![("eventId", id.as_bytes()), ("eventType", b"T")],
-            "over the limit",
+            "the value is 2010 bytes",
         ),
     ];
     for (key, value, headers, _) in &cases {
@@ -931,6 +986,42 @@ async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
         assert_eq!(matching, 1, "one quarantined message for {expected:?}: {reasons:?}");
     }
     assert_eq!(total_effects(&host).await, 1);
+    host.shutdown().await;
+}
+
+/// A header whose name is not UTF-8 (to most Kafka clients, names are bytes) is skipped, as
+/// one whose value is not: the event is handled, and so are the ones after it. rdkafka's
+/// header reader panicked on it, which ended the plugin's consumer on every host that took
+/// the partition in turn.
+#[tokio::test]
+async fn a_header_name_that_is_not_utf8_does_not_stop_the_consumer() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.lanes = 1).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let id = uuid::Uuid::new_v4();
+    let (id_text, topic) = (id.to_string(), host.topic(DEDUP));
+    let headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "eventId",
+            value: Some(id_text.as_bytes()),
+        })
+        .insert(Header {
+            key: "eventType",
+            value: Some(b"Thing".as_slice()),
+        });
+    let record = rdkafka::producer::FutureRecord::to(&topic)
+        .key("k")
+        .payload(r#"{"seq": 1}"#)
+        .headers(with_raw_header(headers, b"\xff\xfe", b"v"));
+    p.send(record, Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let after = send_event(&p, &topic, "k", "Thing", &json!({ "seq": 2 })).await;
+    eventually(Duration::from_secs(20), "both events handled", || async {
+        effects(&host, id).await == 1 && effects(&host, after).await == 1
+    })
+    .await;
     host.shutdown().await;
 }
 

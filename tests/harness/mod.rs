@@ -170,6 +170,30 @@ pub async fn send_raw(
         .expect("sending a test message");
 }
 
+/// `headers` with one more header, whose name may be any bytes (rdkafka's `Header` takes a
+/// `&str`): as a producer that treats header names as bytes sends it.
+pub fn with_raw_header(
+    headers: rdkafka::message::OwnedHeaders,
+    name: &[u8],
+    value: &[u8],
+) -> rdkafka::message::OwnedHeaders {
+    // `as_borrowed` is the native list itself, seen through a zero-sized type.
+    let native =
+        headers.as_borrowed() as *const rdkafka::message::BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+    // SAFETY: the list is alive; librdkafka copies the name and the value.
+    let err = unsafe {
+        rdkafka::bindings::rd_kafka_header_add(
+            native,
+            name.as_ptr().cast(),
+            name.len() as isize,
+            value.as_ptr().cast(),
+            value.len() as isize,
+        )
+    };
+    assert_eq!(err, rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+    headers
+}
+
 /// Sends an event the way a service following the seed does: `eventId` and `eventType`
 /// headers, a JSON value. Returns its event id.
 pub async fn send_event(
@@ -365,6 +389,22 @@ where
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Resets this process's peak resident memory (`VmHWM`) to what it holds now.
+pub fn reset_peak_rss() {
+    std::fs::write("/proc/self/clear_refs", "5").expect("resetting the peak RSS");
+}
+
+/// This process's peak resident memory since the last [`reset_peak_rss`], in bytes.
+pub fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM");
+    kib * 1024
 }
 
 /// A host serving some plugins, on its own database.

@@ -205,13 +205,16 @@ impl Consumer {
                         Some(tracked) => tracked,
                         None => None,
                     };
-                    let kib = (m.payload_len() / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
+                    // The key and headers count too: a message of 1 MB of them and an empty
+                    // value took 1 KiB of the budget.
+                    let m = m.detach();
+                    let kib = (super::message_bytes(&m) / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
                     let permit = tokio::select! {
                         p = budget.clone().acquire_many_owned(kib) => p.expect("never closed"),
                         _ = self.shutdown.changed() => break Ended::Shutdown,
                     };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
-                    if senders[lane].send((m.detach(), (permit, tracked))).is_err() {
+                    if senders[lane].send((m, (permit, tracked))).is_err() {
                         break Ended::Shutdown;
                     }
                 }
@@ -446,7 +449,7 @@ impl Lane {
             return (DeliveryMode::Dedup, run);
         };
         for m in messages {
-            let Ok(event) = Incoming::parse(*m, self.config.max_message_bytes, &self.topic_prefix) else {
+            let Ok(event) = Incoming::parse(m, self.config.max_message_bytes, &self.topic_prefix) else {
                 break;
             };
             match plugin.manifest.subscriptions.iter().find(|s| s.topic == event.topic) {
@@ -930,7 +933,7 @@ async fn quarantine(conn: &mut PgConnection, consumer: &str, m: &OwnedMessage, r
     .bind(m.topic())
     .bind(m.partition())
     .bind(m.offset())
-    .bind(m.key())
+    .bind(m.key().map(|k| &k[..k.len().min(KEEP)]))
     .bind(m.payload().map(|p| &p[..p.len().min(KEEP)]))
     .bind(headers)
     .bind(reason)

@@ -71,7 +71,8 @@ pub async fn retry(pool: &PgPool, id: i64) -> Result<(), DlqError> {
     resolve(pool, id, "retried").await
 }
 
-/// Marks a parked event processed without running it, releasing its key.
+/// Marks a parked event processed without running it, releasing its key; delivered again,
+/// it is a duplicate.
 pub async fn discard(pool: &PgPool, id: i64) -> Result<(), DlqError> {
     resolve(pool, id, "discarded").await
 }
@@ -101,6 +102,15 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
         .bind(event_id)
         .execute(&mut *tx)
         .await?;
+    if status == "discarded" {
+        // Processed, as far as deduplication goes: delivered again (a dedup subscription's
+        // redelivery, an outbox replay), it is a duplicate, not an event to run.
+        sqlx::query("INSERT INTO obx.processed_event (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+            .bind(&consumer)
+            .bind(event_id)
+            .execute(&mut *tx)
+            .await?;
+    }
     tx.commit().await?;
     tracing::info!(id, %consumer, %event_id, status, "dead letter resolved");
     Ok(())

@@ -32,7 +32,7 @@ pub mod supervisor;
 
 use std::collections::BTreeMap;
 
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedHeaders, Headers, Message, OwnedMessage};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -56,10 +56,16 @@ pub struct Incoming {
 #[error("{0}")]
 pub struct Quarantine(pub String);
 
+/// The longest message key taken, in bytes: what `emit` allows a partition key. Postgres
+/// cannot index a much longer one (the inbox's key order), nor store a NUL in it; such a
+/// message used to be retried for ever, holding up its partition, then the consumer.
+pub const MAX_KEY_BYTES: usize = 1024;
+
 impl Incoming {
     /// Validates a Kafka message: an event id and type (see [`identity`]), a UTF-8 key (if
-    /// any), and a JSON value of at most `max_bytes`. The topic loses `topic_prefix`.
-    pub fn parse(m: &impl Message, max_bytes: usize, topic_prefix: &str) -> Result<Incoming, Quarantine> {
+    /// any) of at most [`MAX_KEY_BYTES`] and no NUL, and a JSON value of at most `max_bytes`.
+    /// The topic loses `topic_prefix`.
+    pub fn parse(m: &OwnedMessage, max_bytes: usize, topic_prefix: &str) -> Result<Incoming, Quarantine> {
         let q = |reason: String| Quarantine(reason);
         let value = m.payload().ok_or_else(|| q("the message has no value".into()))?;
         if value.len() > max_bytes {
@@ -70,6 +76,15 @@ impl Incoming {
         }
         let key = match m.key() {
             None => None,
+            Some(k) if k.len() > MAX_KEY_BYTES => {
+                return Err(q(format!(
+                    "the key is {} bytes, over the limit of {MAX_KEY_BYTES}",
+                    k.len()
+                )))
+            }
+            Some(k) if k.contains(&0) => {
+                return Err(q("the key holds a NUL character, which Postgres cannot store".into()))
+            }
             Some(k) => Some(
                 std::str::from_utf8(k)
                     .map_err(|_| q("the key is not UTF-8".into()))?
@@ -88,7 +103,8 @@ impl Incoming {
             .find_map(|(k, v)| (k.contains('\0') || v.contains('\0')).then_some(k))
         {
             return Err(q(format!(
-                "the header {name:?} holds a NUL character, which Postgres cannot store"
+                "the header {} holds a NUL character, which Postgres cannot store",
+                shown(name)
             )));
         }
         Ok(Incoming {
@@ -137,12 +153,23 @@ fn identity(headers: &BTreeMap<String, String>) -> Result<(Uuid, String), String
     let event_id = headers
         .get("eventId")
         .ok_or("the message has no eventId header (nor is it a CloudEvent with ce_id)")?;
-    let event_id = Uuid::parse_str(event_id).map_err(|_| format!("the eventId header {event_id:?} is not a UUID"))?;
+    let event_id =
+        Uuid::parse_str(event_id).map_err(|_| format!("the eventId header {} is not a UUID", shown(event_id)))?;
     let event_type = headers
         .get("eventType")
         .filter(|t| !t.is_empty())
         .ok_or("the message has no eventType header")?;
     Ok((event_id, event_type.clone()))
+}
+
+/// A value from a message, quoted for a quarantine reason and the log: at most 64
+/// characters of it, since a producer chooses its length.
+fn shown(value: &str) -> String {
+    const SHOWN: usize = 64;
+    match value.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!("{:?}... ({} bytes)", &value[..end], value.len()),
+        None => format!("{value:?}"),
+    }
 }
 
 /// The event id a CloudEvents-only message gets: see [`identity`].
@@ -151,17 +178,50 @@ pub fn cloudevent_id(source: &str, id: &str) -> Uuid {
         .unwrap_or_else(|_| Uuid::new_v5(&CLOUDEVENTS_ID_NAMESPACE, format!("{source}\n{id}").as_bytes()))
 }
 
-/// Headers whose value is UTF-8, by name (the last one wins).
-pub fn utf8_headers(m: &impl Message) -> BTreeMap<String, String> {
+/// Headers whose name and value are UTF-8, by name (the last one wins).
+pub fn utf8_headers(m: &OwnedMessage) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    if let Some(headers) = m.headers() {
-        for h in headers.iter() {
-            if let Some(v) = h.value.and_then(|v| std::str::from_utf8(v).ok()) {
-                out.insert(h.key.to_string(), v.to_string());
+    each_header(m, |name, value| {
+        if let (Ok(name), Some(Ok(value))) = (std::str::from_utf8(name), value.map(std::str::from_utf8)) {
+            out.insert(name.to_string(), value.to_string());
+        }
+    });
+    out
+}
+
+/// The bytes a message holds: its value, its key and its headers.
+pub fn message_bytes(m: &OwnedMessage) -> usize {
+    let mut bytes = m.payload().map_or(0, <[u8]>::len) + m.key().map_or(0, <[u8]>::len);
+    each_header(m, |name, value| bytes += name.len() + value.map_or(0, <[u8]>::len));
+    bytes
+}
+
+/// Calls `visit` with each header's name and value, as bytes.
+///
+/// Read through librdkafka itself: rdkafka's reader (`Headers::try_get`, and so `iter`)
+/// unwraps each name as UTF-8 and panics on one that is not, which any producer can send
+/// (Kafka's header names are bytes to most clients). That panic ended a consumer's lane, and
+/// then the consumer, on every host that took the partition.
+fn each_header(m: &OwnedMessage, mut visit: impl FnMut(&[u8], Option<&[u8]>)) {
+    let Some(headers) = m.headers() else {
+        return;
+    };
+    // A `BorrowedHeaders` is the native header list itself, seen through a zero-sized type:
+    // rdkafka makes one by casting the pointer, and its address is that pointer.
+    let native = headers.as_borrowed() as *const BorrowedHeaders as *const rdkafka::bindings::rd_kafka_headers_t;
+    for idx in 0..headers.count() {
+        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: `native` is the live header list of `m`, borrowed for this loop; librdkafka
+        // gives a NUL-terminated name and a value of `size` bytes that live as long as it.
+        unsafe {
+            let err = rdkafka::bindings::rd_kafka_header_get_all(native, idx, &mut name, &mut value, &mut size);
+            if err != rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+                continue;
             }
+            let value = (!value.is_null()).then(|| std::slice::from_raw_parts(value.cast::<u8>(), size));
+            visit(std::ffi::CStr::from_ptr(name).to_bytes(), value);
         }
     }
-    out
 }
 
 /// The delay before attempt `attempt + 1`: doubling from `initial`, at most `max`.
@@ -210,6 +270,59 @@ mod tests {
         assert_eq!((e.partition, e.offset), (0, 7));
     }
 
+    /// The consumer's in-flight budget charged the value only: a message of a large key or
+    /// headers and an empty value cost almost nothing of it.
+    #[test]
+    fn message_bytes_counts_the_key_and_the_headers() {
+        let key = vec![b'k'; 5000];
+        let m = message(Some(&key), Some(b"{}"), &[("eventId", ID), ("big", &[b'v'; 7000])]);
+        assert_eq!(message_bytes(&m), 2 + 5000 + "eventId".len() + ID.len() + 3 + 7000);
+    }
+
+    /// rdkafka's own header reader panicked on this, ending the consumer on every host.
+    #[test]
+    fn a_header_name_that_is_not_utf8_is_skipped_not_a_panic() {
+        let h = OwnedHeaders::new()
+            .insert(Header {
+                key: "eventId",
+                value: Some(ID),
+            })
+            .insert(Header {
+                key: "eventType",
+                value: Some(b"X"),
+            });
+        let native = h.as_borrowed() as *const BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+        // SAFETY: the list is alive, and librdkafka copies the name and value.
+        let err = unsafe {
+            rdkafka::bindings::rd_kafka_header_add(native, b"\xff".as_ptr().cast(), 1, b"v".as_ptr().cast(), 1)
+        };
+        assert_eq!(err, rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+        let m = OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            Some(h),
+        );
+        assert_eq!(m.headers().map(Headers::count), Some(3));
+        let e = Incoming::parse(&m, 1024, "").unwrap();
+        assert_eq!(e.headers.keys().collect::<Vec<_>>(), ["eventId", "eventType"]);
+    }
+
+    #[test]
+    fn a_long_event_id_is_shown_cut_in_the_reason() {
+        let long = "x".repeat(100_000);
+        let m = message(None, Some(b"{}"), &[("eventId", long.as_bytes()), ("eventType", b"X")]);
+        let reason = Incoming::parse(&m, 1024, "").unwrap_err().0;
+        assert!(
+            reason.contains("not a UUID") && reason.contains("100000 bytes"),
+            "{reason}"
+        );
+        assert!(reason.len() < 200, "{reason}");
+    }
+
     #[test]
     fn each_bad_input_class_has_its_reason() {
         let good: &[(&str, &[u8])] = &[("eventId", ID), ("eventType", b"X")];
@@ -223,6 +336,8 @@ mod tests {
             (message(None, Some(b"not json"), good), "not JSON"),
             (message(None, Some(b"\xff\xfe"), good), "not UTF-8"),
             (message(Some(b"\xff\xfe"), Some(b"{}"), good), "key is not UTF-8"),
+            (message(Some(b"a\0b"), Some(b"{}"), good), "key holds a NUL"),
+            (message(Some(&[b'k'; 1025]), Some(b"{}"), good), "key is 1025 bytes"),
             (message(None, Some(&[b' '; 2000]), good), "over the limit"),
             (message(None, None, good), "no value"),
         ];
