@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{spawn_host, spawn_host_with, Gate, TestHost};
+use obx_tests::{peak_rss, reset_peak_rss, spawn_host, spawn_host_with, Gate, TestHost};
 use serde_json::json;
 
 async fn rows_for(host: &TestHost, id: &str) -> (i64, i64) {
@@ -585,5 +585,28 @@ async fn a_command_whose_commit_is_refused_is_answered_500_not_503() {
     assert_eq!(host.count("SELECT count(*) FROM testbed.deferred").await, 0);
     let ok = host.command("testbed", "ok", json!({ "id": "after" })).await;
     assert_eq!(ok.status, 200, "{}", ok.text);
+    host.shutdown().await;
+}
+
+/// A guest can hand `sql` a list of parameters that all are the same bytes of its memory,
+/// and each is copied whole: 512 parameters over one 8 MiB string would be 4 GiB for the host
+/// (a longer list, any amount). The host copies at most 128 MiB for one host call; past it
+/// the call traps, and the host serves on.
+#[tokio::test]
+async fn parameters_that_all_alias_one_string_trap_within_a_bound() {
+    let host = spawn_host(&["testbed"]).await;
+    reset_peak_rss();
+    let before = peak_rss();
+    let a = host
+        .command("testbed", "aliased_params", json!({ "count": 512, "bytes": 8 << 20 }))
+        .await;
+    let grew = peak_rss().saturating_sub(before);
+    assert_eq!((a.status, a.code()), (500, "plugin_trap"), "{}", a.text);
+    assert!(grew < 512 << 20, "the host's peak memory grew by {} MiB", grew >> 20);
+    // A few parameters of that size are fine.
+    let a = host
+        .command("testbed", "aliased_params", json!({ "count": 2, "bytes": 8 << 20 }))
+        .await;
+    assert_eq!(a.body, json!({ "ran": true }), "{}", a.text);
     host.shutdown().await;
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use obx_tests::{eventually, plugin, producer, send_event, spawn_host_with, TestHost};
+use obx_tests::{eventually, peak_rss, plugin, producer, reset_peak_rss, send_event, spawn_host_with, TestHost};
 use serde_json::{json, Value};
 
 /// Deploys a component the recommended way: write to a temporary name, then rename.
@@ -258,4 +258,52 @@ fn cache_hits() -> u64 {
         .find_map(|l| l.strip_prefix("obx_plugin_compile_cache_hits_total "))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// A guest's `describe` can return lists whose strings all are the same bytes of its memory,
+/// each copied whole: 512 commands over one 8 MiB string would be 4 GiB for the host (a
+/// longer list, any amount, and at every restart). The host copies at most 128 MiB of a
+/// result; past it the load fails, and the host serves on.
+#[tokio::test]
+async fn a_manifest_whose_commands_all_alias_one_string_is_refused_within_a_bound() {
+    let host = watched_host().await;
+    reset_peak_rss();
+    let before = peak_rss();
+    deploy(&host, "hotswap_amplified", "hotswap.wasm");
+    eventually(Duration::from_secs(20), "the manifest refused", || async {
+        status(&host, "hotswap.wasm").await["last_error"].is_string()
+    })
+    .await;
+    let grew = peak_rss().saturating_sub(before);
+    let error = status(&host, "hotswap.wasm").await["last_error"].clone();
+    assert!(error.as_str().unwrap().contains("too much data"), "{error}");
+    assert!(grew < 512 << 20, "the host's peak memory grew by {} MiB", grew >> 20);
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    host.shutdown().await;
+}
+
+/// A file far over `limits.max_component_bytes` (here a sparse file of 4 GiB) is refused as
+/// too large without being read: it was read whole first, into the host's memory.
+#[tokio::test]
+async fn a_file_over_the_size_limit_is_refused_without_being_read() {
+    let host = spawn_host_with(&[], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+        c.limits.max_component_bytes = 16 << 20;
+    })
+    .await;
+    reset_peak_rss();
+    let before = peak_rss();
+    let huge = host.plugin_dir.path().join(".huge.wasm.tmp");
+    std::fs::File::create(&huge).unwrap().set_len(4 << 30).unwrap();
+    std::fs::rename(&huge, host.plugin_dir.path().join("huge.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "the file refused", || async {
+        status(&host, "huge.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("over the limit"))
+    })
+    .await;
+    let grew = peak_rss().saturating_sub(before);
+    assert!(grew < 256 << 20, "the host's peak memory grew by {} MiB", grew >> 20);
+    host.shutdown().await;
 }

@@ -343,6 +343,7 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
         ("v2", "hotswap_v2"),
         ("broken-migration", "hotswap_broken"),
         ("bad-manifest", "hotswap_bad_manifest"),
+        ("amplified-manifest", "hotswap_amplified"),
     ] {
         let variant_target = target.join("variants").join(feature);
         run(cargo()

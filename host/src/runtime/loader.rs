@@ -42,6 +42,27 @@ pub enum LoadError {
     InvalidManifest(String),
 }
 
+/// Reads a component file, but never more than `limit` bytes of it: a larger file (an
+/// artefact dropped in the directory by mistake, a sparse file of many GiB) is refused as
+/// too large without being read whole, which could take the host's memory.
+pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, String> {
+    use tokio::io::AsyncReadExt;
+    let reading = |e: std::io::Error| format!("reading {}: {e}", path.display());
+    let too_large = |size| LoadError::TooLarge { size, limit }.to_string();
+    let file = tokio::fs::File::open(path).await.map_err(reading)?;
+    let size = file.metadata().await.map_err(reading)?.len();
+    if size > limit {
+        return Err(too_large(size));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    // It may have grown since.
+    file.take(limit + 1).read_to_end(&mut bytes).await.map_err(reading)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
 /// Loads a component: checks, compiles and validates it.
 pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, LoadError> {
     let limits = runtime.limits();

@@ -41,6 +41,15 @@ use crate::outbox::NewEvent;
 use crate::sql_policy::PolicyError;
 use crate::trace::TraceContext;
 
+/// The bytes the host copies out of a guest's memory for one host call, or for the result
+/// of one export (wasmtime's "hostcall fuel"): past it the call traps. Each string of a list
+/// is copied whole, and a hostile guest's entries can all point at the same bytes, so without
+/// a bound 512 strings over one 8 MiB buffer were 4 GiB for the host, and more any amount.
+/// Set here, not left to wasmtime's default (the same today), so that it cannot change
+/// unseen: `tests/commands.rs parameters_that_all_alias_one_string_trap_within_a_bound`,
+/// `tests/hot_reload.rs a_manifest_whose_commands_all_alias_one_string_is_refused_within_a_bound`.
+const HOSTCALL_FUEL: usize = 128 * 1024 * 1024;
+
 /// How often the epoch advances; a runaway guest is stopped within one tick of its deadline.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
 
@@ -384,6 +393,7 @@ impl Runtime {
         let deadline = state.deadline;
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
+        store.set_hostcall_fuel(HOSTCALL_FUEL);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| {
             if Instant::now() >= deadline {

@@ -123,9 +123,7 @@ impl Registry {
     }
 
     async fn try_load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
-        let bytes = tokio::fs::read(path)
-            .await
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let bytes = loader::read_component(path, runtime.limits().max_component_bytes).await?;
         // The same bytes as the version this file already serves: nothing to do.
         if let Some(current) = self.active_from(path) {
             if current.sha256 == hex::encode(sha2::Sha256::digest(&bytes)) {

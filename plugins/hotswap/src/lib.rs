@@ -35,6 +35,18 @@ fn migrations() -> Vec<Migration> {
     m
 }
 
+/// `n` strings that all are the same `bytes` bytes of memory: what a hostile guest can hand
+/// the host so that copying them costs `n` times their memory.
+fn aliased(n: usize, bytes: usize) -> Vec<String> {
+    let one = std::mem::ManuallyDrop::new("c".repeat(bytes));
+    let (ptr, len) = (one.as_ptr() as *mut u8, one.len());
+    // SAFETY: none is written. Each would be freed by describe's post-return, a double free,
+    // but the host refuses the manifest first and throws the instance away without it.
+    (0..n)
+        .map(|_| unsafe { String::from_raw_parts(ptr, len, len) })
+        .collect()
+}
+
 impl Guest for Hotswap {
     fn describe() -> Manifest {
         let subscriptions = if cfg!(feature = "v2") {
@@ -54,7 +66,11 @@ impl Guest for Hotswap {
                 option_env!("OBX_HOTSWAP_NAME").unwrap_or("hotswap").into()
             },
             version: VERSION.into(),
-            commands: vec!["version".into(), "work".into()],
+            commands: if cfg!(feature = "amplified-manifest") {
+                aliased(512, 8 << 20)
+            } else {
+                vec!["version".into(), "work".into()]
+            },
             subscriptions,
             emits: vec![],
             migrations: migrations(),

@@ -43,6 +43,7 @@ impl Guest for Testbed {
                 "counter",
                 "respond",
                 "huge",
+                "aliased_params",
                 "sequenced",
                 "stain",
                 "residue",
@@ -114,6 +115,24 @@ impl Guest for Testbed {
             "emit" => return emit_many(&id, &p),
             "respond" => return Ok(p["body"].as_str().unwrap_or("").to_string()),
             // A response of `bytes` bytes, built in the guest.
+            // A statement whose `count` parameters are all the same `bytes` bytes of memory:
+            // copied whole, `count` times their memory. Answers the SQL error, if any.
+            "aliased_params" => {
+                let (count, bytes) = (p["count"].as_u64().unwrap_or(0), p["bytes"].as_u64().unwrap_or(0));
+                let one = std::mem::ManuallyDrop::new("p".repeat(bytes as usize));
+                let (ptr, len) = (one.as_ptr() as *mut u8, one.len());
+                // SAFETY: none is written, and the list is never dropped: each would be freed.
+                let params = std::mem::ManuallyDrop::new(
+                    (0..count)
+                        .map(|_| SqlValue::Text(unsafe { String::from_raw_parts(ptr, len, len) }))
+                        .collect::<Vec<_>>(),
+                );
+                return Ok(match query("SELECT 1", &params) {
+                    Ok(_) => json!({ "ran": true }),
+                    Err(e) => json!({ "error": format!("{e:?}") }),
+                }
+                .to_string());
+            }
             "huge" => {
                 let n = p["bytes"].as_u64().unwrap_or(0) as usize;
                 return Ok(format!("\"{}\"", "x".repeat(n.saturating_sub(2))));
