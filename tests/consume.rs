@@ -1453,3 +1453,114 @@ async fn cloudevents_go_out_in_binary_mode_and_cloudevents_only_messages_are_han
     );
     host.shutdown().await;
 }
+
+/// The testbed statement that waits for the [`Gate`]'s row lock, as a `sql` command.
+fn gate_command() -> serde_json::Value {
+    json!({ "id": "slot", "mode": "execute", "sql": "UPDATE counters SET n = n + 1 WHERE name = 'gate'" })
+}
+
+/// A consuming testbed host with one call slot, a 3 s call deadline and one attempt per
+/// event (any attempt counted parks it), its consumer seen running.
+async fn one_slot_host(broker: &TestBroker, logical: &str, lock_timeout: Duration) -> TestHost {
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.lanes = 1;
+        c.consumer.max_attempts = 1;
+        c.limits.max_concurrent_calls = 1;
+        c.limits.call_deadline = Duration::from_secs(3);
+        c.limits.lock_timeout = lock_timeout;
+        c.limits.statement_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let p = producer(&broker.bootstrap);
+    let warm = send_event(&p, &host.topic(logical), "warm", "Thing", &json!({})).await;
+    eventually(Duration::from_secs(30), "the consumer runs", || async {
+        effects(&host, warm).await == 1
+    })
+    .await;
+    host
+}
+
+/// Two commands in turn hold the host's one call slot for 4 s (each waits 2 s for a row lock
+/// the test holds, its lock timeout), so an event that comes meanwhile waits past the 3 s
+/// call deadline for a slot and is refused as busy. That is the host's load, not the
+/// handler's failure: with `max_attempts` 1 the event was parked at once; now it is tried
+/// again, its attempt not counted, and runs once when the slot is free. The second command
+/// waited 2 s for the slot and still had its whole deadline for the lock (it was stopped at
+/// its deadline, 504, when the wait counted).
+async fn an_event_refused_a_call_slot_is_not_charged_an_attempt(logical: &str) {
+    let broker = broker();
+    let host = one_slot_host(&broker, logical, Duration::from_secs(2)).await;
+    let p = producer(&broker.bootstrap);
+    let gate = Gate::hold(&host.database_url).await;
+    let first = host.command("testbed", "sql", gate_command());
+    let rest = async {
+        eventually(
+            Duration::from_secs(10),
+            "the first command waits for the gate",
+            || async { host.lock_waits().await >= 1 },
+        )
+        .await;
+        // Queued for the slot behind the first, ahead of the event.
+        let second = host.command("testbed", "sql", gate_command());
+        let event = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            send_event(&p, &host.topic(logical), "k", "Thing", &json!({})).await
+        };
+        tokio::join!(second, event)
+    };
+    let (first, (second, id)) = tokio::join!(first, rest);
+    // Each held the slot until its lock timeout: the slot was taken for 4 s on end.
+    for answer in [&first, &second] {
+        assert_eq!(answer.status, 409, "{}", answer.text);
+        assert!(answer.text.contains("lock_timeout"), "{}", answer.text);
+    }
+    gate.release().await;
+    eventually(Duration::from_secs(30), "the event runs", || async {
+        effects(&host, id).await == 1
+    })
+    .await;
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0, "{logical}");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_refused_a_call_slot_is_not_charged_an_attempt() {
+    an_event_refused_a_call_slot_is_not_charged_an_attempt(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_refused_a_call_slot_is_not_charged_an_attempt() {
+    an_event_refused_a_call_slot_is_not_charged_an_attempt(INBOX).await;
+}
+
+/// A call's deadline starts when it gets its call slot: an event that waited most of a
+/// deadline for the slot (a command held it, waiting for the gate until its own deadline)
+/// still has a whole one. It waits for the gate too, which opens 2 s after it got the slot:
+/// its deadline used to count from before the wait, so it was killed then, and parked.
+#[tokio::test]
+async fn an_event_that_gets_its_call_slot_late_still_has_its_whole_deadline() {
+    let broker = broker();
+    let host = one_slot_host(&broker, DEDUP, Duration::from_secs(10)).await;
+    let p = producer(&broker.bootstrap);
+    let gate = Gate::hold(&host.database_url).await;
+    let command = host.command("testbed", "sql", gate_command());
+    let event = async {
+        eventually(Duration::from_secs(10), "the command waits for the gate", || async {
+            host.lock_waits().await >= 1
+        })
+        .await;
+        send_event(&p, &host.topic(DEDUP), "k", "Thing", &json!({ "gate": true })).await
+    };
+    let (answer, id) = tokio::join!(command, event);
+    // The command was stopped at its deadline; the event has the slot now and waits.
+    assert_eq!(answer.status, 504, "{}", answer.text);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    gate.release().await;
+    eventually(Duration::from_secs(30), "the event runs", || async {
+        effects(&host, id).await == 1
+    })
+    .await;
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}

@@ -514,8 +514,11 @@ pub struct TelemetryConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
-    /// Wall-clock budget of one handler call, Wasm and SQL together. A guest that is still
-    /// running when it passes is interrupted.
+    /// Wall-clock budget of one handler call, Wasm and SQL together, from when the call gets
+    /// one of `max_concurrent_calls` slots. A guest that is still running when it passes is
+    /// interrupted. A call waits at most this long for a slot; one that gets none is refused
+    /// as busy (503 for a command; an event or a timer is tried again, its attempt not
+    /// counted).
     #[serde(with = "humantime_serde")]
     pub call_deadline: Duration,
     /// Linear memory a plugin instance may grow to, in bytes.

@@ -193,8 +193,9 @@ async fn adopt_legacy_role(conn: &mut PgConnection, name: &str, old: &str, role:
 fn session_settings(schema: &str, limits: &Limits) -> Vec<(&'static str, String)> {
     let ms = |d: std::time::Duration| format!("{}ms", d.as_millis());
     // If the host ever stalls holding a transaction, Postgres ends it rather than let it pin
-    // the xmin horizon.
-    let idle = limits.call_deadline + limits.statement_timeout * 2;
+    // the xmin horizon. A call's transaction may wait one deadline for a call slot, and then
+    // run for one.
+    let idle = limits.call_deadline * 2 + limits.statement_timeout * 2;
     vec![
         ("search_path", schema.to_string()),
         ("statement_timeout", ms(limits.statement_timeout)),

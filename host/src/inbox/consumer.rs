@@ -725,7 +725,8 @@ impl Lane {
                     }
                 }
                 Err(e) => {
-                    // The database, not the handler: wait for it, without using up attempts.
+                    // The database, or no call slot (`handling::NoCallSlot`), not the handler:
+                    // wait, without using up attempts.
                     db_errors += 1;
                     if self.pause_after_db_error(&e, db_errors).await {
                         return Done::Stopped;
@@ -779,7 +780,7 @@ impl Lane {
     /// broke is usually replaced at once), doubling up to `backoff_max`. Returns true if
     /// shutdown began meanwhile.
     async fn pause_after_db_error(&self, error: &(dyn std::fmt::Display + Sync), n: u32) -> bool {
-        tracing::warn!(plugin = %self.plugin, error = %error, "database error while consuming; retrying");
+        tracing::warn!(plugin = %self.plugin, error = %error, "database error or no call slot while consuming; retrying");
         self.pause(backoff(self.config.backoff_initial, self.config.backoff_max, n))
             .await
     }

@@ -93,6 +93,14 @@ pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     })
 }
 
+/// No call slot came free within the call deadline: the host is busy, and the handler
+/// never ran. It is no attempt of the event's: [`run`] rolls the transaction back and gives
+/// this as its error, which callers treat as they treat the database being away (the
+/// events are tried again later, and no attempt is counted).
+#[derive(Debug, thiserror::Error)]
+#[error("no call slot came free within the call deadline")]
+pub(crate) struct NoCallSlot;
+
 /// What a failed handler undoes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Undo {
@@ -128,14 +136,15 @@ pub(crate) enum Ran {
 }
 
 /// Runs the handlers of `jobs` in order in `tx` up to the first that fails, which undoes
-/// what `undo` says.
+/// what `undo` says. A handler that could not start for want of a call slot undoes the
+/// whole transaction, and the error is [`NoCallSlot`].
 pub(crate) async fn run(
     dispatcher: &Dispatcher,
     plugin: &Plugin,
     mut tx: PluginTx,
     jobs: &[&Job],
     undo: Undo,
-) -> sqlx::Result<Ran> {
+) -> anyhow::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
     for (at, job) in jobs.iter().enumerate() {
         let contracts = &plugin.identity.contracts;
@@ -162,6 +171,12 @@ pub(crate) async fn run(
             Ok((back, e)) => {
                 tx = back;
                 emitted.push(e);
+            }
+            Err(f) if f.busy => {
+                if let Some(back) = f.tx {
+                    back.rollback().await?;
+                }
+                return Err(NoCallSlot.into());
             }
             Err(mut f) => {
                 let failure = Failure {

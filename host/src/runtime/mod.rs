@@ -423,7 +423,8 @@ impl Runtime {
     {
         let limits = &self.limits;
         let started = Instant::now();
-        let deadline = started + limits.call_deadline;
+        // A call waits for a slot at most one deadline, and then has a whole deadline of its
+        // own: time spent queued is not the handler's to lose.
         let Ok(Ok(_slot)) = tokio::time::timeout(limits.call_deadline, self.slots.acquire()).await else {
             return CallOutput {
                 result: Err(CallError::Busy),
@@ -431,6 +432,7 @@ impl Runtime {
                 events: Vec::new(),
             };
         };
+        let deadline = Instant::now() + limits.call_deadline;
         let state = CallState::new(plugin.identity.clone(), limits.clone(), tx, deadline, request_id, trace);
         let mut store = self.store(state);
         // The epoch callback stops Wasm at the deadline; statements are bounded by the
