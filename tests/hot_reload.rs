@@ -307,3 +307,107 @@ async fn a_file_over_the_size_limit_is_refused_without_being_read() {
     assert!(grew < 256 << 20, "the host's peak memory grew by {} MiB", grew >> 20);
     host.shutdown().await;
 }
+
+/// A host whose watcher also rescans its directory every second.
+async fn rescanning_host() -> TestHost {
+    spawn_host_with(&[], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+        c.plugins.rescan_interval = Duration::from_secs(1);
+    })
+    .await
+}
+
+/// A load that failed for what the file holds (a migration Postgres refuses) is not tried
+/// again while the file stays as it is; a load the database failed is tried again at the
+/// next rescan, with no event for its file. Here the new version's provisioning waits for
+/// the plugin's registry row, which another session holds (as another host loading it
+/// would), and that wait's session is ended. Before, the old version served until the file
+/// changed again.
+#[tokio::test]
+async fn a_load_the_database_failed_is_tried_again_at_the_next_rescan() {
+    use sqlx::Connection as _;
+    let host = rescanning_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    deploy(&host, "hotswap_broken", "hotswap.wasm");
+    eventually(Duration::from_secs(20), "the failed migration reported", || async {
+        status(&host, "hotswap.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("migration 2 (broken) failed"))
+    })
+    .await;
+    let failed_at = status(&host, "hotswap.wasm").await["failed_at"].clone();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        status(&host, "hotswap.wasm").await["failed_at"],
+        failed_at,
+        "a refused migration was tried again"
+    );
+
+    let mut other = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("SELECT name FROM obx.plugin WHERE name = 'hotswap' FOR UPDATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    let waiting = "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database() \
+                   AND query LIKE '%FROM obx.plugin WHERE name%'";
+    eventually(
+        Duration::from_secs(20),
+        "the load waits for the registry row",
+        || async { host.count(&format!("SELECT count(*) {waiting}")).await >= 1 },
+    )
+    .await;
+    host.count(&format!("SELECT count(pg_terminate_backend(pid)) {waiting}"))
+        .await;
+    eventually(Duration::from_secs(20), "the failed load reported", || async {
+        status(&host, "hotswap.wasm").await["failed_at"] != failed_at
+    })
+    .await;
+    assert_eq!(version(&host).await.as_deref(), Some("1.0.0"));
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    serving(&host, "2.0.0").await;
+    assert!(status(&host, "hotswap.wasm").await["last_error"].is_null());
+    host.shutdown().await;
+}
+
+/// A deploy that replaces the plugin directory whole (removed, made again, filled): the
+/// watch stayed on the removed directory, so changes in the new one went unseen (here the
+/// file's removal: the plugin served on). The rescan finds them. (It also watches the
+/// directory anew; this test cannot tell that from the rescan alone.)
+#[tokio::test]
+async fn a_plugin_directory_replaced_whole_is_followed() {
+    let host = rescanning_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    let dir = host.plugin_dir.path();
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::create_dir(dir).unwrap();
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    serving(&host, "2.0.0").await;
+    std::fs::remove_file(dir.join("hotswap.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "unloaded", || async {
+        host.command("hotswap", "version", json!({})).await.code() == "unknown_plugin"
+    })
+    .await;
+    host.shutdown().await;
+}
+
+/// `plugins.dir` given as a relative path, as the default `plugins.d` is. The files loaded
+/// at start were known by their relative paths, and notify names them by absolute ones: a
+/// replaced file was refused as "already provided" by itself, and the old version served on.
+#[tokio::test]
+async fn a_plugin_directory_given_by_a_relative_path_is_hot_reloaded() {
+    let host = spawn_host_with(&["hotswap"], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+        let cwd = std::env::current_dir().unwrap();
+        let up = "../".repeat(cwd.components().count() - 1);
+        c.plugins.dir = Path::new(&up).join(c.plugins.dir.strip_prefix("/").unwrap());
+    })
+    .await;
+    serving(&host, "1.0.0").await;
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    serving(&host, "2.0.0").await;
+    host.shutdown().await;
+}

@@ -1,7 +1,7 @@
 //! Wires a host together: database, runtime, plugins, dispatcher, HTTP. `obx serve` and the
 //! system tests both start hosts through [`start`].
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -47,7 +47,11 @@ pub struct Host {
     _embedded: Option<EmbeddedPostgres>,
 }
 
-pub async fn start(config: Config) -> Result<Host> {
+pub async fn start(mut config: Config) -> Result<Host> {
+    // One spelling of every plugin file's path: notify names files under the absolute path
+    // of the directory it watches, so a relative one would make each file two to the registry.
+    config.plugins.dir = std::path::absolute(&config.plugins.dir)
+        .with_context(|| format!("resolving the plugin directory {}", config.plugins.dir.display()))?;
     // The recorder first, so that nothing done at start-up goes uncounted.
     let metrics = crate::telemetry::metrics();
     crate::otel::init(&config.telemetry, &config.service.name)?;
@@ -123,8 +127,7 @@ pub async fn start(config: Config) -> Result<Host> {
     let lag = Arc::new(crate::telemetry::ConsumerLag::default());
     if config.plugins.watch {
         consumers.push(watcher::spawn(
-            config.plugins.dir.clone(),
-            config.plugins.debounce,
+            &config.plugins,
             runtime.clone(),
             pool.clone(),
             registry.clone(),
@@ -277,28 +280,8 @@ pub async fn load_plugin_dir(runtime: &Arc<Runtime>, pool: &PgPool, registry: &R
     if !dir.exists() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating the plugin directory {}", dir.display()))?;
     }
-    for path in component_files(dir)? {
+    for path in watcher::component_files(dir)? {
         let _ = registry.load_file(runtime, pool, &path).await;
     }
     Ok(())
-}
-
-/// The component files of a plugin directory, in name order. Hidden files and editors'
-/// temporary files are ignored.
-pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading the plugin directory {}", dir.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| is_component_file(p))
-        .collect();
-    files.sort();
-    Ok(files)
-}
-
-pub fn is_component_file(path: &Path) -> bool {
-    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
-        return false;
-    };
-    !name.starts_with('.') && name.ends_with(".wasm") && path.is_file()
 }

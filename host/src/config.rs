@@ -249,6 +249,12 @@ pub struct PluginsConfig {
     /// How long a file must stay unchanged before it is loaded.
     #[serde(with = "humantime_serde")]
     pub debounce: Duration,
+    /// How often the watcher compares the directory with what is loaded, for events the
+    /// watch lost (a replaced directory, an overflowed queue), and tries again the files
+    /// whose load failed for a reason that may pass (the database was away, or busy with
+    /// another host's migration).
+    #[serde(with = "humantime_serde")]
+    pub rescan_interval: Duration,
     /// Keep compiled components in a cache the host owns, so restarts skip compilation.
     pub cache: bool,
     /// Where the compile cache lives; default `$XDG_CACHE_HOME/obx/components` or
@@ -264,6 +270,7 @@ impl Default for PluginsConfig {
             dir: PathBuf::from("plugins.d"),
             watch: true,
             debounce: Duration::from_millis(250),
+            rescan_interval: Duration::from_secs(30),
             cache: true,
             cache_dir: None,
             cache_max_bytes: 1 << 30,
@@ -842,6 +849,9 @@ impl Config {
                 return invalid("plugins.cache_dir", "must not be the plugin directory");
             }
         }
+        if self.plugins.rescan_interval < Duration::from_millis(100) {
+            return invalid("plugins.rescan_interval", "must be at least 100ms");
+        }
         if self.relay.batch_size == 0 {
             return invalid("relay.batch_size", "must be greater than 0");
         }
@@ -983,6 +993,11 @@ mod tests {
                 "call_deadline",
             ),
             ("bad address", "[http]\nlisten = \"localhost\"", "listen"),
+            (
+                "rescan too often",
+                "[plugins]\nrescan_interval = \"1ms\"",
+                "plugins.rescan_interval",
+            ),
             ("url scheme", "[database]\nurl = \"mysql://u:pw@h/db\"", "database.url"),
             (
                 "sslmode",

@@ -50,6 +50,22 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether work that failed with `e` may succeed if tried again as it is: the connection or
+/// the server failed (an I/O error, the pool, SQLSTATE class 08, an administrator's
+/// shutdown or crash recovery: 57P01–57P03, too many connections: 53300), or it lost to
+/// concurrent work (class 40, a lock timeout: 55P03). Everything else is taken for a refusal
+/// of what was sent, which would come back the same.
+pub fn may_pass(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            matches!(code.get(..2), Some("08" | "40"))
+                || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300" | "55P03")
+        }),
+        _ => false,
+    }
+}
+
 /// The options of every host connection to `url`: named `name` in `pg_stat_activity`, with
 /// the search path pinned to `obx`.
 pub fn host_options(url: &str, name: &str) -> Result<PgConnectOptions> {

@@ -20,14 +20,20 @@ use sha2::{Digest, Sha256};
 use sqlx::{Executor, PgConnection, PgPool};
 
 use super::login::{self, Login};
-use super::sessions::Sessions;
+use super::sessions::{SessionError, Sessions};
 use crate::config::Limits;
 use crate::runtime::Manifest;
 
 /// Why a plugin's schema could not be prepared. The message is meant for the operator.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct SchemaError(String);
+#[error("{message}")]
+pub struct SchemaError {
+    message: String,
+    /// The database failed, or the work lost to another host's (a lock wait, a deadlock):
+    /// the same plugin may be prepared if tried again. Not for a statement or a migration
+    /// that Postgres refused for what it says.
+    pub may_pass: bool,
+}
 
 /// Creates or updates the plugin's role, schema and declared events, registers its login
 /// with `sessions`, then applies its pending migrations.
@@ -46,7 +52,31 @@ pub async fn prepare(
             .map_err(|_| anyhow!("the migrations ran past {MIGRATION_DEADLINE:?}"))?
     }
     .await;
-    result.map_err(|e| SchemaError(format!("{e:#}")))
+    result.map_err(|e| SchemaError {
+        message: format!("{e:#}"),
+        may_pass: may_pass(&e),
+    })
+}
+
+/// Whether preparing may succeed if tried again: the database failed or was busy
+/// ([`crate::db::may_pass`]) somewhere in `e`'s chain.
+fn may_pass(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause.downcast_ref::<sqlx::Error>().is_some_and(crate::db::may_pass)
+            || cause.downcast_ref::<MigrationFailed>().is_some_and(|m| m.may_pass)
+            || matches!(cause.downcast_ref::<SessionError>(), Some(SessionError::Database(db)) if crate::db::may_pass(db))
+    })
+}
+
+/// A migration statement that Postgres refused. Its error is kept as words for the operator
+/// (and whether a retry may help), not as a source, so that the message stays one line.
+#[derive(Debug, thiserror::Error)]
+#[error("migration {id} ({name}) failed: {message}")]
+struct MigrationFailed {
+    id: i32,
+    name: String,
+    message: String,
+    may_pass: bool,
 }
 
 /// How long a plugin's migrations may take in all, statements and lock waits together.
@@ -299,7 +329,12 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
                 .persistent(false)
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| anyhow!("migration {id} ({}) failed: {}", m.name, db_message(&e)))?;
+                .map_err(|e| MigrationFailed {
+                    id,
+                    name: m.name.clone(),
+                    message: db_message(&e),
+                    may_pass: crate::db::may_pass(&e),
+                })?;
         }
         sqlx::query("SELECT obx_api.record_migration($1, $2, $3, $4)")
             .bind(id)

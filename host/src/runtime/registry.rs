@@ -30,12 +30,50 @@ pub struct Registry {
     changed: Signal,
 }
 
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct FileState {
     /// The plugin this file provides, when it is active.
     plugin: Option<String>,
     last_error: Option<String>,
     failed_at: Option<DateTime<Utc>>,
+    /// The file as it was when it was last loaded or tried.
+    seen: Option<Fingerprint>,
+    /// Its last load failed for a reason that may pass (see [`LoadError`]).
+    retry: bool,
+}
+
+/// What a file's size and modification time say of it: when either changes, it is loaded
+/// again (and its bytes decide whether anything changed).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Fingerprint {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl Fingerprint {
+    fn of(path: &Path) -> Option<Fingerprint> {
+        let meta = std::fs::metadata(path).ok()?;
+        Some(Fingerprint {
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        })
+    }
+}
+
+/// Why a file was not loaded, and whether loading it again as it is may succeed: the
+/// database failed, or was busy with another host's work on the same plugin.
+struct LoadError {
+    message: String,
+    may_pass: bool,
+}
+
+impl LoadError {
+    fn fixed(message: impl Into<String>) -> LoadError {
+        LoadError {
+            message: message.into(),
+            may_pass: false,
+        }
+    }
 }
 
 /// One line of `GET /v1/plugins`.
@@ -74,6 +112,24 @@ impl Registry {
         self.active.load().values().cloned().collect()
     }
 
+    /// The files the registry knows of, loaded or failed.
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.lock_files().keys().cloned().collect()
+    }
+
+    /// Whether `path` should be loaded again: the registry does not know it, it changed since
+    /// it was last loaded or tried, or that try failed for a reason that may pass.
+    pub fn needs_load(&self, path: &Path) -> bool {
+        match self.lock_files().get(path) {
+            None => true,
+            Some(state) => state.retry || state.seen != Fingerprint::of(path),
+        }
+    }
+
+    fn lock_files(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, FileState>> {
+        self.files.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A wake-up for every change of the active plugins.
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changed.subscribe()
@@ -82,7 +138,7 @@ impl Registry {
     /// Forgets a file that is gone, and unloads the plugin it provided. Calls in flight keep
     /// the version they started with.
     pub fn unload_file(&self, path: &Path) -> Option<String> {
-        let removed = self.files.lock().unwrap_or_else(|e| e.into_inner()).remove(path)?;
+        let removed = self.lock_files().remove(path)?;
         let name = removed.plugin?;
         self.active.rcu(|active| {
             let mut next = HashMap::clone(active);
@@ -99,80 +155,101 @@ impl Registry {
     /// previous version (if any) keeps serving and the error is recorded for the file.
     pub async fn load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
         let started = std::time::Instant::now();
-        let result = self.try_load_file(runtime, pool, path).await;
+        // Taken before the file is read: a change while it is read is seen by the next rescan.
+        let seen = Fingerprint::of(path);
+        let result = self.try_load_file(runtime, pool, path, seen).await;
         metrics::histogram!("obx_plugin_load_seconds").record(started.elapsed().as_secs_f64());
-        match &result {
-            Ok(plugin) => tracing::info!(
-                file = %path.display(), plugin = %plugin.manifest.name, version = %plugin.manifest.version,
-                sha256 = %plugin.sha256, "plugin active"
-            ),
+        match result {
+            Ok(plugin) => {
+                tracing::info!(
+                    file = %path.display(), plugin = %plugin.manifest.name, version = %plugin.manifest.version,
+                    sha256 = %plugin.sha256, "plugin active"
+                );
+                Ok(plugin)
+            }
             Err(e) => {
-                tracing::error!(file = %path.display(), error = %e, "plugin not loaded");
+                tracing::error!(file = %path.display(), error = %e.message, may_pass = e.may_pass, "plugin not loaded");
                 metrics::counter!("obx_plugin_load_failures_total").increment(1);
-                let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-                let state = files.entry(path.to_path_buf()).or_insert(FileState {
-                    plugin: None,
-                    last_error: None,
-                    failed_at: None,
-                });
-                state.last_error = Some(e.clone());
+                let mut files = self.lock_files();
+                let state = files.entry(path.to_path_buf()).or_default();
+                state.last_error = Some(e.message.clone());
                 state.failed_at = Some(Utc::now());
+                state.seen = seen;
+                state.retry = e.may_pass;
+                Err(e.message)
             }
         }
-        result
     }
 
-    async fn try_load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
-        let bytes = loader::read_component(path, runtime.limits().max_component_bytes).await?;
+    async fn try_load_file(
+        &self,
+        runtime: &Arc<Runtime>,
+        pool: &PgPool,
+        path: &Path,
+        seen: Option<Fingerprint>,
+    ) -> Result<Arc<Plugin>, LoadError> {
+        let bytes = loader::read_component(path, runtime.limits().max_component_bytes)
+            .await
+            .map_err(LoadError::fixed)?;
         // The same bytes as the version this file already serves: nothing to do.
         if let Some(current) = self.active_from(path) {
             if current.sha256 == hex::encode(sha2::Sha256::digest(&bytes)) {
+                if let Some(state) = self.lock_files().get_mut(path) {
+                    state.seen = seen;
+                    (state.retry, state.last_error, state.failed_at) = (false, None, None);
+                }
                 return Ok(current);
             }
         }
-        let plugin = loader::load(runtime, bytes).await.map_err(|e| e.to_string())?;
+        let plugin = loader::load(runtime, bytes)
+            .await
+            .map_err(|e| LoadError::fixed(e.to_string()))?;
         let name = plugin.manifest.name.clone();
         // Another file provides this plugin: refuse, unless that file is gone (a rename).
         if let Some(other) = self
             .file_providing(&name)
             .filter(|other| other != path && other.exists())
         {
-            return Err(format!("plugin {name:?} is already provided by {}", other.display()));
+            return Err(LoadError::fixed(format!(
+                "plugin {name:?} is already provided by {}",
+                other.display()
+            )));
         }
         plugin_schema::prepare(pool, &self.sessions, &plugin.manifest, runtime.limits())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| LoadError {
+                may_pass: e.may_pass,
+                message: e.to_string(),
+            })?;
         let plugin = Arc::new(plugin);
-        self.activate(path, plugin.clone());
+        self.activate(path, plugin.clone(), seen);
         Ok(plugin)
     }
 
     /// The active plugin this file provides, if any.
     fn active_from(&self, path: &Path) -> Option<Arc<Plugin>> {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        let name = files.get(path)?.plugin.clone()?;
+        let name = self.lock_files().get(path)?.plugin.clone()?;
         self.get(&name)
     }
 
     fn file_providing(&self, name: &str) -> Option<PathBuf> {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
-        files
+        self.lock_files()
             .iter()
             .find(|(_, s)| s.plugin.as_deref() == Some(name))
             .map(|(p, _)| p.clone())
     }
 
-    fn activate(&self, path: &Path, plugin: Arc<Plugin>) {
+    fn activate(&self, path: &Path, plugin: Arc<Plugin>, seen: Option<Fingerprint>) {
         let name = plugin.manifest.name.clone();
-        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut files = self.lock_files();
         // A file renamed away still names this plugin: it no longer does.
         files.retain(|p, s| p == path || s.plugin.as_deref() != Some(name.as_str()));
         let previous = files.insert(
             path.to_path_buf(),
             FileState {
                 plugin: Some(name.clone()),
-                last_error: None,
-                failed_at: None,
+                seen,
+                ..FileState::default()
             },
         );
         self.active.rcu(|active| {
@@ -194,7 +271,7 @@ impl Registry {
 
     /// Every plugin file and its state.
     pub fn status(&self) -> Vec<PluginStatus> {
-        let files = self.files.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let files = self.lock_files().clone();
         let active = self.active.load();
         let mut out: Vec<PluginStatus> = files
             .into_iter()

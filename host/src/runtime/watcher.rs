@@ -7,6 +7,15 @@
 //! [`Registry::load_file`]). Hidden files and names that do not end in `.wasm` (editors'
 //! temporary files) are ignored. The recommended way to deploy is to write to a temporary
 //! name in the same directory and rename it into place: the rename is atomic.
+//!
+//! Events can be lost: the kernel's queue overflows, or the directory is replaced whole
+//! (the watch stays on the old one). So every `plugins.rescan_interval`, and at once when
+//! notify says events were dropped, the watcher compares the directory with what the
+//! registry knows ([`Registry::needs_load`]): a file it has not loaded as it is now, a file
+//! whose last load failed for a reason that may pass (the database), and a file that is
+//! gone are queued as if an event had named them. The directory is watched anew at each
+//! rescan (a directory made again may even get the old one's inode number, so the watcher
+//! cannot tell), and the comparison that follows covers the moment between.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,13 +23,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use notify::{RecursiveMode, Watcher};
+use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::registry::Registry;
 use super::Runtime;
+use crate::config::PluginsConfig;
 
 /// A component file name: `*.wasm`, not hidden.
 pub fn is_component_name(path: &Path) -> bool {
@@ -29,18 +39,42 @@ pub fn is_component_name(path: &Path) -> bool {
         .is_some_and(|name| !name.starts_with('.') && name.ends_with(".wasm"))
 }
 
-/// Starts watching `dir`. The returned task runs until `shutdown`.
+/// The component files of a plugin directory, in name order. Hidden files and editors'
+/// temporary files are ignored.
+pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading the plugin directory {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| is_component_name(p) && p.is_file())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// What the watcher hears from notify.
+enum Seen {
+    /// Something happened to this file.
+    File(PathBuf),
+    /// Events may have been dropped: compare the whole directory.
+    Rescan,
+}
+
+/// Starts watching the plugin directory. The returned task runs until `shutdown`.
 pub fn spawn(
-    dir: PathBuf,
-    debounce: Duration,
+    config: &PluginsConfig,
     runtime: Arc<Runtime>,
     pool: PgPool,
     registry: Arc<Registry>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<tokio::task::JoinHandle<()>> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<PathBuf>();
+    let (dir, debounce, every) = (config.dir.clone(), config.debounce, config.rescan_interval);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Seen>();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
         Ok(event) => {
+            if event.need_rescan() {
+                let _ = tx.send(Seen::Rescan);
+            }
             // Reading a file changes nothing. Without this, hosts that share a directory
             // wake each other forever: each load reads the file, and each read is an event.
             use notify::event::{AccessKind, AccessMode, EventKind};
@@ -48,10 +82,13 @@ pub fn spawn(
                 return;
             }
             for path in event.paths {
-                let _ = tx.send(path);
+                let _ = tx.send(Seen::File(path));
             }
         }
-        Err(e) => tracing::warn!(error = %e, "plugin directory watch error"),
+        Err(e) => {
+            tracing::warn!(error = %e, "plugin directory watch error; rescanning the directory");
+            let _ = tx.send(Seen::Rescan);
+        }
     })
     .context("starting the plugin directory watcher")?;
     watcher
@@ -60,31 +97,77 @@ pub fn spawn(
     tracing::info!(dir = %dir.display(), "watching the plugin directory");
 
     Ok(tokio::spawn(async move {
-        let _watcher = watcher;
+        let mut watched = Watched { dir, watcher };
+        let mut rescan = tokio::time::interval_at(Instant::now() + every, every);
+        rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Files with recent events, and when they become due.
         let mut pending: HashMap<PathBuf, Instant> = HashMap::new();
         loop {
             let next_due = pending.values().min().copied();
             tokio::select! {
-                path = rx.recv() => match path {
-                    Some(path) if is_component_name(&path) => {
+                seen = rx.recv() => match seen {
+                    Some(Seen::File(path)) if is_component_name(&path) => {
                         pending.insert(path, Instant::now() + debounce);
                     }
-                    Some(_) => {}
+                    Some(Seen::File(_)) => {}
+                    Some(Seen::Rescan) => watched.queue_stale(&registry, &mut pending, debounce),
                     None => return,
                 },
+                _ = rescan.tick() => {
+                    watched.watch_again();
+                    watched.queue_stale(&registry, &mut pending, debounce);
+                }
                 _ = sleep_until(next_due) => {
                     let now = Instant::now();
                     let due: Vec<PathBuf> = pending.iter().filter(|(_, t)| **t <= now).map(|(p, _)| p.clone()).collect();
                     for path in due {
                         pending.remove(&path);
-                        settle(&path, &runtime, &pool, &registry).await;
+                        // A load can take minutes (a migration): shutdown does not wait for it.
+                        tokio::select! {
+                            _ = settle(&path, &runtime, &pool, &registry) => {}
+                            _ = shutdown.changed() => return,
+                        }
                     }
                 }
                 _ = shutdown.changed() => return,
             }
         }
     }))
+}
+
+/// The watched directory and its watch.
+struct Watched {
+    dir: PathBuf,
+    watcher: RecommendedWatcher,
+}
+
+impl Watched {
+    /// Watches the directory by its path again: if it was removed and made again, or renamed
+    /// over, the old watch hears nothing of the new one.
+    fn watch_again(&mut self) {
+        let _ = self.watcher.unwatch(&self.dir);
+        if let Err(e) = self.watcher.watch(&self.dir, RecursiveMode::NonRecursive) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot watch the plugin directory");
+        }
+    }
+
+    /// Queues every file the registry is behind on: a component file not loaded as it is
+    /// now, or whose last load may succeed if tried again, and a file it knows that is gone.
+    fn queue_stale(&self, registry: &Registry, pending: &mut HashMap<PathBuf, Instant>, debounce: Duration) {
+        let files = match component_files(&self.dir) {
+            Ok(files) => files,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "cannot rescan the plugin directory");
+                return;
+            }
+        };
+        let due = Instant::now() + debounce;
+        let gone = registry.files().into_iter().filter(|known| !files.contains(known));
+        for path in files.iter().filter(|f| registry.needs_load(f)).cloned().chain(gone) {
+            tracing::debug!(file = %path.display(), "queued by a rescan of the plugin directory");
+            pending.entry(path).or_insert(due);
+        }
+    }
 }
 
 async fn sleep_until(due: Option<Instant>) {
