@@ -556,18 +556,7 @@ async fn hostile_guests_get_a_clear_error_and_the_host_keeps_serving() {
 #[tokio::test]
 async fn a_command_whose_commit_is_refused_is_answered_500_not_503() {
     let host = spawn_host(&["testbed"]).await;
-    // As a plugin that got past the SQL policy would: the database lets its role do this.
-    let mut session = host.plugin_session("testbed").await;
-    sqlx::raw_sql(
-        "CREATE TABLE deferred_raise (id text); \
-         CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
-           $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
-         CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
-           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
-    )
-    .execute(&mut session)
-    .await
-    .unwrap();
+    host.make_deferred_raise().await;
     for sql in [
         "INSERT INTO deferred (id) VALUES ('twice'), ('twice')",
         "INSERT INTO deferred_raise (id) VALUES ('refused')",

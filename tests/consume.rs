@@ -659,19 +659,7 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     let broker = broker();
     let (first, topic) = not_consuming(&broker, logical).await;
     if defer_violation == "raise" {
-        // As a plugin that got past the SQL policy would (migrations may not make functions):
-        // the database lets the plugin's role do this in its own schema.
-        let mut session = first.plugin_session("testbed").await;
-        sqlx::raw_sql(
-            "CREATE TABLE deferred_raise (id text); \
-             CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
-               $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
-             CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
-               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
-        )
-        .execute(&mut session)
-        .await
-        .unwrap();
+        first.make_deferred_raise().await;
     }
     let p = producer(&broker.bootstrap);
     let mut a = Vec::new();

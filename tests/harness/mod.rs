@@ -544,6 +544,32 @@ impl TestHost {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// Transactions committed in this host's database so far, as `pg_stat_database` counts
+    /// them, read after 1.5 s: backends report their counts when idle, at most once a second.
+    pub async fn commits_so_far(&self) -> i64 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        self.count("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+            .await
+    }
+
+    /// Makes, in the testbed plugin's schema, the table `deferred_raise` whose deferred
+    /// trigger raises an error of its own (P0001) at the commit of any transaction that
+    /// inserted into it. Done on the plugin's session, as a plugin that got past the SQL
+    /// policy would: migrations may not create functions, and the database lets the role.
+    pub async fn make_deferred_raise(&self) {
+        let mut session = self.plugin_session("testbed").await;
+        sqlx::raw_sql(
+            "CREATE TABLE deferred_raise (id text); \
+             CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
+             CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
+        )
+        .execute(&mut session)
+        .await
+        .unwrap();
+    }
+
     /// How many sessions of this host's database wait for a lock now.
     pub async fn lock_waits(&self) -> i64 {
         self.count(
