@@ -110,6 +110,14 @@ const RESERVED_NAMES: &[&str] = &["obx", "public", "information_schema", "postgr
 
 /// Most events a manifest may declare.
 const MAX_DECLARED_EVENTS: usize = 1024;
+/// Most commands, subscriptions, event types in one subscription, and migrations a manifest
+/// may hold. Each list is kept for the plugin's life, listed by `GET /v1/plugins`, and
+/// walked on the hot paths (a command's lookup, an event's subscription): far above what a
+/// service declares, far below what the host should hold for one plugin.
+const MAX_COMMANDS: usize = 1024;
+const MAX_SUBSCRIPTIONS: usize = 256;
+const MAX_SUBSCRIBED_TYPES: usize = 1024;
+const MAX_MIGRATIONS: usize = 10_000;
 
 impl Manifest {
     /// The plugin's Postgres schema.
@@ -137,6 +145,16 @@ impl Manifest {
                 self.version
             ));
         }
+        let counts = [
+            ("commands", self.commands.len(), MAX_COMMANDS),
+            ("subscriptions", self.subscriptions.len(), MAX_SUBSCRIPTIONS),
+            ("migrations", self.migrations.len(), MAX_MIGRATIONS),
+        ];
+        for (what, count, most) in counts {
+            if count > most {
+                return Err(format!("a manifest may hold at most {most} {what}, not {count}"));
+            }
+        }
         let mut seen = HashSet::new();
         for command in &self.commands {
             let ok = (1..=128).contains(&command.len())
@@ -158,8 +176,18 @@ impl Manifest {
             if !topics.insert(&s.topic) {
                 return Err(format!("topic {:?} is subscribed twice", s.topic));
             }
-            if s.event_types.iter().any(|t| t.is_empty()) {
-                return Err(format!("subscription to {:?} has an empty event type", s.topic));
+            if s.event_types.len() > MAX_SUBSCRIBED_TYPES {
+                return Err(format!(
+                    "subscription to {:?} names {} event types, over {MAX_SUBSCRIBED_TYPES}",
+                    s.topic,
+                    s.event_types.len()
+                ));
+            }
+            if s.event_types.iter().any(|t| t.is_empty() || t.len() > 1024) {
+                return Err(format!(
+                    "subscription to {:?} has an event type that is empty or over 1024 bytes",
+                    s.topic
+                ));
             }
         }
         self.validate_emits()?;
@@ -298,6 +326,46 @@ mod tests {
             schema: serde_json::json!({ "type": "object" }),
             example: None,
         }
+    }
+
+    /// A manifest's lists are bounded: a plugin cannot make the host keep and walk a million
+    /// commands (the bytes a manifest may take are bounded too, by the hostcall fuel, but
+    /// short names fit millions into them).
+    #[test]
+    fn each_list_of_a_manifest_is_bounded() {
+        let many = |n: usize, f: &dyn Fn(usize) -> String| (0..n).map(f).collect::<Vec<_>>();
+        let mut m = manifest();
+        m.commands = many(MAX_COMMANDS + 1, &|i| format!("c{i}"));
+        assert!(m.validate(1 << 16).unwrap_err().contains("at most 1024 commands"));
+        m.commands = many(MAX_COMMANDS, &|i| format!("c{i}"));
+        m.validate(1 << 16).unwrap();
+
+        let mut m = manifest();
+        m.subscriptions[0].event_types = many(MAX_SUBSCRIBED_TYPES + 1, &|i| format!("T{i}"));
+        assert!(m.validate(1 << 16).unwrap_err().contains("event types, over"));
+        m.subscriptions[0].event_types = vec!["T".repeat(1025)];
+        assert!(m.validate(1 << 16).unwrap_err().contains("over 1024 bytes"));
+
+        let mut m = manifest();
+        m.subscriptions = (0..=MAX_SUBSCRIPTIONS)
+            .map(|i| Subscription {
+                topic: format!("t{i}"),
+                event_types: vec![],
+                mode: DeliveryMode::Dedup,
+            })
+            .collect();
+        assert!(m.validate(1 << 16).unwrap_err().contains("subscriptions"));
+
+        let mut m = manifest();
+        m.migrations = (1..=MAX_MIGRATIONS as u32 + 1)
+            .map(|id| Migration {
+                id,
+                name: "m".into(),
+                sql: "SELECT 1".into(),
+                statements: vec![],
+            })
+            .collect();
+        assert!(m.validate(1 << 16).unwrap_err().contains("migrations"));
     }
 
     #[test]
