@@ -4,7 +4,9 @@
 //!
 //! Invariant: only files this host wrote are deserialised. Precompiled code is trusted native
 //! code, so the cache lives in its own directory (mode 0700), never in the watched plugin
-//! directory, and entries are written to a temporary name and renamed into place.
+//! directory, and entries are written to a temporary name of their own (hosts that share
+//! the directory may have the same pid, in containers) and renamed into place. A temporary
+//! file older than [`STALE_TEMP`] is a dead writer's, and goes at the next store.
 //!
 //! The cache is bounded (`plugins.cache_max_bytes`): an entry's modification time is its last
 //! use, and after each store the least recently used entries go until the rest fit. (A
@@ -12,13 +14,17 @@
 //! differs from build to build, so every rebuild is a new entry.)
 
 use std::hash::{Hash, Hasher};
-use std::os::unix::fs::PermissionsExt;
+use std::io::Write as _;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result};
 use wasmtime::component::Component;
 use wasmtime::Engine;
+
+/// How old a temporary file must be to be taken for a dead writer's: a store takes seconds.
+const STALE_TEMP: Duration = Duration::from_secs(15 * 60);
 
 /// Where the cache lives and how large it may grow.
 #[derive(Debug, Clone)]
@@ -82,9 +88,19 @@ impl CompileCache {
         let result = (|| -> Result<()> {
             let bytes = component.serialize().map_err(anyhow::Error::from)?;
             let path = self.path(sha256);
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, bytes)?;
-            std::fs::rename(&tmp, &path)?;
+            let unique = uuid::Uuid::new_v4().simple();
+            let tmp = path.with_extension(format!("tmp-{}-{unique}", std::process::id()));
+            let written = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut file| file.write_all(&bytes))
+                .and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e.into());
+            }
             self.evict(&path)
         })();
         if let Err(e) = result {
@@ -93,15 +109,23 @@ impl CompileCache {
     }
 
     /// Removes the least recently used entries until the cache fits `max_bytes`; `keep`, the
-    /// entry just stored, stays even if it alone is larger.
+    /// entry just stored, stays even if it alone is larger. Removes dead writers' temporary
+    /// files too.
     fn evict(&self, keep: &Path) -> Result<()> {
         let mut entries = Vec::new();
+        let stale = SystemTime::now() - STALE_TEMP;
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
             let path = entry.path();
-            if path.extension().is_some_and(|e| e == "cwasm") {
-                let meta = entry.metadata()?;
+            let Some(extension) = path.extension().and_then(|e| e.to_str()) else {
+                continue;
+            };
+            let meta = entry.metadata()?;
+            if extension == "cwasm" {
                 entries.push((meta.modified()?, meta.len(), path));
+            } else if extension.starts_with("tmp") && meta.is_file() && meta.modified()? < stale {
+                tracing::info!(path = %path.display(), "removing a compile cache writer's leftover");
+                let _ = std::fs::remove_file(&path);
             }
         }
         let mut total: u64 = entries.iter().map(|(_, len, _)| len).sum();
@@ -130,7 +154,37 @@ pub fn default_dir() -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    /// Another host with the same pid (in another container) writing the same component
+    /// held the temporary name this store used to take, and the store failed (or, with both
+    /// writing, could rename a mixed file into place). A writer that died left its temporary
+    /// file for good, outside the cache's bound.
+    #[test]
+    fn a_store_takes_a_temporary_file_of_its_own_and_leftovers_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = CacheSettings {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 1 << 30,
+        };
+        let engine = Engine::default();
+        let cache = CompileCache::open(&settings, &engine).unwrap();
+        let component = Component::new(&engine, "(component)").unwrap();
+        let sha256 = "ab".repeat(32);
+        let theirs = cache.path(&sha256).with_extension(format!("tmp{}", std::process::id()));
+        std::fs::create_dir(&theirs).unwrap();
+        let leftover = dir.path().join(format!("{}-x.tmp-1-dead", "cd".repeat(32)));
+        std::fs::write(&leftover, b"half a compilation").unwrap();
+        let file = std::fs::File::options().write(true).open(&leftover).unwrap();
+        file.set_modified(SystemTime::now() - STALE_TEMP - Duration::from_secs(60))
+            .unwrap();
+        let live = dir.path().join(format!("{}-x.tmp-2-live", "ef".repeat(32)));
+        std::fs::write(&live, b"being written").unwrap();
+
+        cache.store(&sha256, &component);
+        assert!(cache.load(&engine, &sha256).is_some(), "stored beside the other writer");
+        assert!(!leftover.exists(), "a dead writer's leftover went");
+        assert!(live.exists() && theirs.exists(), "a live writer's file stays");
+    }
 
     #[test]
     fn the_least_recently_used_entries_go_when_the_cache_is_full() {
