@@ -1552,3 +1552,54 @@ async fn an_event_that_gets_its_call_slot_late_still_has_its_whole_deadline() {
     assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
     host.shutdown().await;
 }
+
+/// An inbox batch starts handlers for at most a second (`handling::RUN_BUDGET`): a batch
+/// holds a shared processor, a plugin session and its key's row locks, and 32 slow handlers
+/// would hold them for minutes while other plugins' events wait. Here the first of ten
+/// events of one key waits 1.2 s for the gate: its batch commits it alone, and the other nine
+/// go in a batch after it, in order, each once. (All ten went in one transaction before.)
+#[tokio::test]
+async fn an_inbox_batch_stops_starting_handlers_after_its_time_budget() {
+    let broker = broker();
+    let (first, _) = not_consuming(&broker, INBOX).await;
+    // Stored before any processor runs, so that one batch can take all ten.
+    first
+        .count(&format!(
+            "WITH stored AS (INSERT INTO obx.inbox_event \
+                 (consumer, event_id, topic, payload, event_type, partition_key, headers) \
+               SELECT 'testbed', gen_random_uuid(), '{INBOX}', \
+                      jsonb_build_object('seq', n, 'gate', n = 0), 'Thing', 'A', '{{}}' \
+               FROM generate_series(0, 9) AS n ORDER BY n RETURNING 1) \
+             SELECT count(*) FROM stored"
+        ))
+        .await;
+    let gate = Gate::hold(&first.database_url).await;
+    let host = next_host(&broker, first, |c| {
+        c.consumer.inbox_processors = 1;
+        c.limits.call_deadline = Duration::from_secs(10);
+        c.limits.lock_timeout = Duration::from_secs(10);
+    })
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the first handler waits for the gate",
+        || async { host.lock_waits().await >= 1 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    gate.release().await;
+    eventually(Duration::from_secs(30), "ten inbox rows processed", || async {
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 10
+    })
+    .await;
+    assert_each_effect_once(&host, 10).await;
+    assert_eq!(key_disorder(&host).await, 0);
+    let alone = host
+        .count(
+            "SELECT count(*) FROM obx.inbox_event WHERE processed_at = \
+               (SELECT processed_at FROM obx.inbox_event WHERE (payload->>'seq')::int = 0)",
+        )
+        .await;
+    assert_eq!(alone, 1, "the slow event's batch took the events after it too");
+    host.shutdown().await;
+}

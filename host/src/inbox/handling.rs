@@ -9,6 +9,8 @@
 //! rows of the handled events are written just before the commit, as a single command's
 //! are, so outbox id order stays commit order.
 
+use std::time::{Duration, Instant};
+
 use sqlx::Executor as _;
 use uuid::Uuid;
 
@@ -18,6 +20,12 @@ use crate::dispatch::{Dispatcher, Emitted};
 use crate::runtime::bindings::guest;
 use crate::runtime::Plugin;
 use crate::trace::TraceContext;
+
+/// How long a run may start handlers: past it, the run ends with the events it has done, and
+/// the caller commits them and leaves the rest for its next batch. A batch holds a plugin
+/// session, its events' row locks (inbox) and a shared processor or a partition's lane; with
+/// slow handlers, 64 events at a call deadline each would hold them for minutes.
+pub(crate) const RUN_BUDGET: Duration = Duration::from_secs(1);
 
 /// An event on its way to the handler: what the guest gets, and the trace it continues.
 pub(crate) struct Job {
@@ -116,7 +124,8 @@ pub(crate) enum Undo {
 /// How a run of handlers ended.
 pub(crate) enum Ran {
     /// The transaction is open. The handlers of the first `emitted.len()` jobs succeeded;
-    /// `failed` is why the next one's did not (rolled back to its savepoint).
+    /// `failed` is why the next one's did not (rolled back to its savepoint). With no
+    /// failure and fewer emitted than jobs, the run met [`RUN_BUDGET`]: the rest did not run.
     Open {
         tx: PluginTx,
         emitted: Vec<Emitted>,
@@ -136,8 +145,9 @@ pub(crate) enum Ran {
 }
 
 /// Runs the handlers of `jobs` in order in `tx` up to the first that fails, which undoes
-/// what `undo` says. A handler that could not start for want of a call slot undoes the
-/// whole transaction, and the error is [`NoCallSlot`].
+/// what `undo` says, or until [`RUN_BUDGET`] has passed (at least one runs). A handler that
+/// could not start for want of a call slot undoes the whole transaction, and the error is
+/// [`NoCallSlot`].
 pub(crate) async fn run(
     dispatcher: &Dispatcher,
     plugin: &Plugin,
@@ -146,7 +156,11 @@ pub(crate) async fn run(
     undo: Undo,
 ) -> anyhow::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
+    let started = Instant::now();
     for (at, job) in jobs.iter().enumerate() {
+        if at > 0 && started.elapsed() >= RUN_BUDGET {
+            break;
+        }
         let contracts = &plugin.identity.contracts;
         if let Err(e) = contracts.check_consumed(&job.event.topic, &job.event.event_type, &job.event.payload) {
             // Not for the handler: the plugin said it cannot take such a payload.

@@ -213,20 +213,23 @@ impl Processor {
             }
         };
         // The first failed event: its attempt is recorded under its row lock, and the rest of
-        // the batch, of the same key, waits behind it.
-        let parked = match (failed, fresh.get(emitted.len())) {
+        // the batch, of the same key, waits behind it. A run that met its time budget leaves
+        // the events it did not run for the next batch.
+        let (parked, behind) = match (failed, fresh.get(emitted.len())) {
             (Some(failure), Some(claimed)) => {
                 // Under the claim's row lock: always recorded.
                 let park = self.record_failure(&mut tx, consumer, claimed, &failure).await? == Some(true);
-                let behind: Vec<Uuid> = fresh[emitted.len() + 1..].iter().map(|c| c.job.event_id).collect();
-                sqlx::query("SELECT obx_api.inbox_untake($1)")
-                    .bind(&behind)
-                    .execute(&mut *tx)
-                    .await?;
-                Some((*claimed, park))
+                (Some((*claimed, park)), &fresh[emitted.len() + 1..])
             }
-            _ => None,
+            _ => (None, &fresh[emitted.len().min(fresh.len())..]),
         };
+        if !behind.is_empty() {
+            let behind: Vec<Uuid> = behind.iter().map(|c| c.job.event_id).collect();
+            sqlx::query("SELECT obx_api.inbox_untake($1)")
+                .bind(&behind)
+                .execute(&mut *tx)
+                .await?;
+        }
         let handled = emitted.len();
         if let Err(e) = handling::commit(&self.dispatcher, tx, &emitted).await {
             let Some(failure) = handling::refused_commit(&e) else {
