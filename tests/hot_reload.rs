@@ -178,18 +178,24 @@ async fn a_replace_under_200_concurrent_commands_fails_none() {
     assert_eq!(host.count("SELECT count(*) FROM hotswap.calls").await, 200);
 }
 
+/// Deploys the hotswap version whose migration 2 Postgres refuses, and waits until the
+/// failure is reported.
+async fn deploy_broken_migration(host: &TestHost) {
+    deploy(host, "hotswap_broken", "hotswap.wasm");
+    eventually(Duration::from_secs(20), "the failed migration reported", || async {
+        status(host, "hotswap.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("migration 2 (broken) failed"))
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_plugin_whose_migration_fails_leaves_the_old_version_serving() {
     let host = watched_host().await;
     deploy(&host, "hotswap", "hotswap.wasm");
     serving(&host, "1.0.0").await;
-    deploy(&host, "hotswap_broken", "hotswap.wasm");
-    eventually(Duration::from_secs(20), "the failed migration reported", || async {
-        status(&host, "hotswap.wasm").await["last_error"]
-            .as_str()
-            .is_some_and(|e| e.contains("migration 2 (broken) failed"))
-    })
-    .await;
+    deploy_broken_migration(&host).await;
     let s = status(&host, "hotswap.wasm").await;
     assert_eq!(
         (s["state"].as_str(), s["version"].as_str()),
@@ -329,13 +335,7 @@ async fn a_load_the_database_failed_is_tried_again_at_the_next_rescan() {
     let host = rescanning_host().await;
     deploy(&host, "hotswap", "hotswap.wasm");
     serving(&host, "1.0.0").await;
-    deploy(&host, "hotswap_broken", "hotswap.wasm");
-    eventually(Duration::from_secs(20), "the failed migration reported", || async {
-        status(&host, "hotswap.wasm").await["last_error"]
-            .as_str()
-            .is_some_and(|e| e.contains("migration 2 (broken) failed"))
-    })
-    .await;
+    deploy_broken_migration(&host).await;
     let failed_at = status(&host, "hotswap.wasm").await["failed_at"].clone();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
