@@ -1553,26 +1553,50 @@ async fn an_event_that_gets_its_call_slot_late_still_has_its_whole_deadline() {
     host.shutdown().await;
 }
 
-/// An inbox batch starts handlers for at most a second (`handling::RUN_BUDGET`): a batch
-/// holds a shared processor, a plugin session and its key's row locks, and 32 slow handlers
-/// would hold them for minutes while other plugins' events wait. Here the first of ten
-/// events of one key waits 1.2 s for the gate: its batch commits it alone, and the other nine
-/// go in a batch after it, in order, each once. (All ten went in one transaction before.)
+/// Stores ten inbox events of key `A` for the testbed in one statement, as the consumer's
+/// intake would (`seq` 0 to 9; the event `seq` = `gate_at` waits for the [`Gate`]).
+async fn store_ten_inbox_events(host: &TestHost, gate_at: i64) {
+    host.count(&format!(
+        "WITH stored AS (INSERT INTO obx.inbox_event \
+             (consumer, event_id, topic, payload, event_type, partition_key, headers) \
+           SELECT 'testbed', gen_random_uuid(), '{INBOX}', \
+                  jsonb_build_object('seq', n, 'gate', n = {gate_at}), 'Thing', 'A', '{{}}' \
+           FROM generate_series(0, 9) AS n ORDER BY n RETURNING 1) \
+         SELECT count(*) FROM stored"
+    ))
+    .await;
+}
+
+/// How many of the ten inbox events were marked in the transaction that took event `seq`.
+async fn taken_with(host: &TestHost, seq: i64) -> i64 {
+    host.count(&format!(
+        "SELECT count(*) FROM obx.inbox_event WHERE processed_at = \
+           (SELECT processed_at FROM obx.inbox_event WHERE (payload->>'seq')::int = {seq})"
+    ))
+    .await
+}
+
+async fn await_ten_processed_once(host: &TestHost) {
+    eventually(Duration::from_secs(30), "ten inbox rows processed", || async {
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 10
+    })
+    .await;
+    assert_each_effect_once(host, 10).await;
+    assert_eq!(key_disorder(host).await, 0);
+}
+
+/// An inbox batch starts handlers for at most a second after its first returned
+/// (`handling::RUN_BUDGET`): a batch holds a shared processor, a plugin session and its key's
+/// row locks, and 32 slow handlers would hold them for minutes while other plugins' events
+/// wait. Here the second of ten events of one key waits 1.2 s for the gate: its batch commits
+/// the first two, and the other eight go in a batch after them, in order, each once. (All
+/// ten went in one transaction before.)
 #[tokio::test]
 async fn an_inbox_batch_stops_starting_handlers_after_its_time_budget() {
     let broker = broker();
     let (first, _) = not_consuming(&broker, INBOX).await;
     // Stored before any processor runs, so that one batch can take all ten.
-    first
-        .count(&format!(
-            "WITH stored AS (INSERT INTO obx.inbox_event \
-                 (consumer, event_id, topic, payload, event_type, partition_key, headers) \
-               SELECT 'testbed', gen_random_uuid(), '{INBOX}', \
-                      jsonb_build_object('seq', n, 'gate', n = 0), 'Thing', 'A', '{{}}' \
-               FROM generate_series(0, 9) AS n ORDER BY n RETURNING 1) \
-             SELECT count(*) FROM stored"
-        ))
-        .await;
+    store_ten_inbox_events(&first, 1).await;
     let gate = Gate::hold(&first.database_url).await;
     let host = next_host(&broker, first, |c| {
         c.consumer.inbox_processors = 1;
@@ -1582,24 +1606,50 @@ async fn an_inbox_batch_stops_starting_handlers_after_its_time_budget() {
     .await;
     eventually(
         Duration::from_secs(30),
-        "the first handler waits for the gate",
+        "the second handler waits for the gate",
         || async { host.lock_waits().await >= 1 },
     )
     .await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     gate.release().await;
-    eventually(Duration::from_secs(30), "ten inbox rows processed", || async {
-        host.count("SELECT count(*) FROM obx.inbox_event WHERE processed").await == 10
+    await_ten_processed_once(&host).await;
+    assert_eq!(
+        taken_with(&host, 1).await,
+        2,
+        "the slow event's batch: the event before it, and none after"
+    );
+    host.shutdown().await;
+}
+
+/// The budget does not count the wait for the first call slot: a batch whose first call
+/// waited 2.5 s for the host's one slot (a command held it, waiting for the gate until its
+/// 3 s lock timeout) still runs its ten events together. Counted, it ended after the first
+/// event, and an overloaded host ran batches of one.
+#[tokio::test]
+async fn an_inbox_batch_that_waited_for_a_call_slot_still_runs_whole() {
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.inbox_processors = 1;
+        c.limits.max_concurrent_calls = 1;
+        c.limits.call_deadline = Duration::from_secs(5);
+        c.limits.lock_timeout = Duration::from_secs(3);
     })
     .await;
-    assert_each_effect_once(&host, 10).await;
-    assert_eq!(key_disorder(&host).await, 0);
-    let alone = host
-        .count(
-            "SELECT count(*) FROM obx.inbox_event WHERE processed_at = \
-               (SELECT processed_at FROM obx.inbox_event WHERE (payload->>'seq')::int = 0)",
-        )
+    let gate = Gate::hold(&host.database_url).await;
+    let command = host.command("testbed", "sql", gate_command());
+    let store = async {
+        eventually(Duration::from_secs(10), "the command waits for the gate", || async {
+            host.lock_waits().await >= 1
+        })
         .await;
-    assert_eq!(alone, 1, "the slow event's batch took the events after it too");
+        // No event waits for the gate; the processor takes them within its 500 ms poll.
+        store_ten_inbox_events(&host, -1).await;
+    };
+    let (answer, ()) = tokio::join!(command, store);
+    assert_eq!(answer.status, 409, "{}", answer.text);
+    gate.release().await;
+    await_ten_processed_once(&host).await;
+    assert_eq!(taken_with(&host, 0).await, 10, "one batch");
     host.shutdown().await;
 }

@@ -21,8 +21,10 @@ use crate::runtime::bindings::guest;
 use crate::runtime::Plugin;
 use crate::trace::TraceContext;
 
-/// How long a run may start handlers: past it, the run ends with the events it has done, and
-/// the caller commits them and leaves the rest for its next batch. A batch holds a plugin
+/// How long a run may start handlers, from when its first handler returned (a wait for the
+/// first call slot is not the handlers' time: counted, an overloaded host would run batches
+/// of one): past it, the run ends with the events it has done, and the caller commits them
+/// and leaves the rest for its next batch. A batch holds a plugin
 /// session, its events' row locks (inbox) and a shared processor or a partition's lane; with
 /// slow handlers, 64 events at a call deadline each would hold them for minutes.
 pub(crate) const RUN_BUDGET: Duration = Duration::from_secs(1);
@@ -145,7 +147,7 @@ pub(crate) enum Ran {
 }
 
 /// Runs the handlers of `jobs` in order in `tx` up to the first that fails, which undoes
-/// what `undo` says, or until [`RUN_BUDGET`] has passed (at least one runs). A handler that
+/// what `undo` says, or until [`RUN_BUDGET`] has passed since the first returned. A handler that
 /// could not start for want of a call slot undoes the whole transaction, and the error is
 /// [`NoCallSlot`].
 pub(crate) async fn run(
@@ -156,9 +158,9 @@ pub(crate) async fn run(
     undo: Undo,
 ) -> anyhow::Result<Ran> {
     let mut emitted = Vec::with_capacity(jobs.len());
-    let started = Instant::now();
+    let mut first_returned: Option<Instant> = None;
     for (at, job) in jobs.iter().enumerate() {
-        if at > 0 && started.elapsed() >= RUN_BUDGET {
+        if first_returned.is_some_and(|t| t.elapsed() >= RUN_BUDGET) {
             break;
         }
         let contracts = &plugin.identity.contracts;
@@ -185,6 +187,7 @@ pub(crate) async fn run(
             Ok((back, e)) => {
                 tx = back;
                 emitted.push(e);
+                first_returned.get_or_insert_with(Instant::now);
             }
             Err(f) if f.busy => {
                 if let Some(back) = f.tx {
