@@ -49,6 +49,13 @@ async fn serving(host: &TestHost, expected: &str) {
     .await;
 }
 
+async fn unloaded(host: &TestHost) {
+    eventually(Duration::from_secs(20), "hotswap unloaded", || async {
+        host.command("hotswap", "version", json!({})).await.code() == "unknown_plugin"
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn drop_replace_and_delete_without_a_restart() {
     let host = watched_host().await;
@@ -77,10 +84,7 @@ async fn drop_replace_and_delete_without_a_restart() {
     );
 
     std::fs::remove_file(host.plugin_dir.path().join("hotswap.wasm")).unwrap();
-    eventually(Duration::from_secs(20), "unloaded", || async {
-        host.command("hotswap", "version", json!({})).await.code() == "unknown_plugin"
-    })
-    .await;
+    unloaded(&host).await;
     assert!(status(&host, "hotswap.wasm").await.is_null());
     host.shutdown().await;
 }
@@ -387,10 +391,7 @@ async fn a_plugin_directory_replaced_whole_is_followed() {
     deploy(&host, "hotswap_v2", "hotswap.wasm");
     serving(&host, "2.0.0").await;
     std::fs::remove_file(dir.join("hotswap.wasm")).unwrap();
-    eventually(Duration::from_secs(20), "unloaded", || async {
-        host.command("hotswap", "version", json!({})).await.code() == "unknown_plugin"
-    })
-    .await;
+    unloaded(&host).await;
     host.shutdown().await;
 }
 
