@@ -54,7 +54,9 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
 /// the server failed (an I/O error, the pool, SQLSTATE class 08, an administrator's
 /// shutdown or crash recovery: 57P01–57P03, too many connections: 53300), or it lost to
 /// concurrent work (class 40, a lock timeout: 55P03). Everything else is taken for a refusal
-/// of what was sent, which would come back the same.
+/// of what was sent, which would come back the same. Not the inverse of
+/// [`refused_for_content`]: between the two lie errors neither names (a disk full, an
+/// internal error), which a load leaves until its file changes and a commit retries.
 pub fn may_pass(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,

@@ -221,7 +221,7 @@ impl Processor {
                 let park = self.record_failure(&mut tx, consumer, claimed, &failure).await? == Some(true);
                 (Some((*claimed, park)), &fresh[emitted.len() + 1..])
             }
-            _ => (None, &fresh[emitted.len().min(fresh.len())..]),
+            _ => (None, &fresh[emitted.len()..]),
         };
         if !behind.is_empty() {
             let behind: Vec<Uuid> = behind.iter().map(|c| c.job.event_id).collect();
