@@ -120,9 +120,11 @@ impl Registry {
     /// Whether `path` should be loaded again: the registry does not know it, it changed since
     /// it was last loaded or tried, or that try failed for a reason that may pass.
     pub fn needs_load(&self, path: &Path) -> bool {
+        // The file system first: no `stat` while the file map is locked.
+        let now = Fingerprint::of(path);
         match self.lock_files().get(path) {
             None => true,
-            Some(state) => state.retry || state.seen != Fingerprint::of(path),
+            Some(state) => state.retry || state.seen != now,
         }
     }
 
