@@ -1621,6 +1621,59 @@ async fn an_inbox_batch_stops_starting_handlers_after_its_time_budget() {
     host.shutdown().await;
 }
 
+/// An event of a batch that finds no call slot ends the batch with the events before it, as
+/// the time budget does: the busy call never touched the transaction. Here the first of ten
+/// inbox events waits for the gate while two commands queue for the host's one slot; once it
+/// returns, they hold the slot in turn for 2 s each (each waits for the row the batch
+/// locked, until its lock timeout), so the second event waits past its 3 s call deadline.
+/// The batch commits the first event alone, and the other nine follow in order, each once.
+/// (The whole batch was rolled back before, the first event's work with it, and the ten ran
+/// again together.)
+#[tokio::test]
+async fn an_inbox_batch_that_runs_out_of_call_slots_keeps_the_events_it_ran() {
+    let broker = broker();
+    let (first, _) = not_consuming(&broker, INBOX).await;
+    store_ten_inbox_events(&first, 0).await;
+    let gate = Gate::hold(&first.database_url).await;
+    let host = next_host(&broker, first, |c| {
+        c.consumer.inbox_processors = 1;
+        c.limits.max_concurrent_calls = 1;
+        c.limits.call_deadline = Duration::from_secs(3);
+        c.limits.lock_timeout = Duration::from_secs(2);
+    })
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the first event waits for the gate",
+        || async { host.lock_waits().await >= 1 },
+    )
+    .await;
+    let commands = async {
+        let first = host.command("testbed", "sql", gate_command());
+        let second = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            host.command("testbed", "sql", gate_command()).await
+        };
+        tokio::join!(first, second)
+    };
+    let release = async {
+        // Both commands are queued for the slot by then.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        gate.release().await;
+    };
+    let ((first_answer, second_answer), ()) = tokio::join!(commands, release);
+    assert_eq!(first_answer.status, 409, "{}", first_answer.text);
+    assert!(
+        second_answer.status == 200 || second_answer.status == 409,
+        "{}",
+        second_answer.text
+    );
+    await_ten_processed_once(&host).await;
+    assert_eq!(taken_with(&host, 0).await, 1, "the first event's batch ended after it");
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}
+
 /// The budget does not count the wait for the first call slot: a batch whose first call
 /// waited 2.5 s for the host's one slot (a command held it, waiting for the gate until its
 /// 3 s lock timeout) still runs its ten events together. Counted, it ended after the first

@@ -104,9 +104,10 @@ pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
 }
 
 /// No call slot came free within the call deadline: the host is busy, and the handler
-/// never ran. It is no attempt of the event's: [`run`] rolls the transaction back and gives
-/// this as its error, which callers treat as they treat the database being away (the
-/// events are tried again later, and no attempt is counted).
+/// never ran. It is no attempt of the event's: when it was the run's first event, [`run`]
+/// rolls the transaction back and gives this as its error, which callers treat as they
+/// treat the database being away (the events are tried again later, and no attempt is
+/// counted); a later event ends the run instead, as [`RUN_BUDGET`] does.
 #[derive(Debug, thiserror::Error)]
 #[error("no call slot came free within the call deadline")]
 pub(crate) struct NoCallSlot;
@@ -127,7 +128,8 @@ pub(crate) enum Undo {
 pub(crate) enum Ran {
     /// The transaction is open. The handlers of the first `emitted.len()` jobs succeeded;
     /// `failed` is why the next one's did not (rolled back to its savepoint). With no
-    /// failure and fewer emitted than jobs, the run met [`RUN_BUDGET`]: the rest did not run.
+    /// failure and fewer emitted than jobs, the run met [`RUN_BUDGET`], or the next found no
+    /// call slot: the rest did not run.
     Open {
         tx: PluginTx,
         emitted: Vec<Emitted>,
@@ -148,7 +150,8 @@ pub(crate) enum Ran {
 
 /// Runs the handlers of `jobs` in order in `tx` up to the first that fails, which undoes
 /// what `undo` says, or until [`RUN_BUDGET`] has passed since the first returned. A handler that
-/// could not start for want of a call slot undoes the whole transaction, and the error is
+/// could not start for want of a call slot ends the run with the events before it, as the
+/// budget does; if it was the first, the transaction is rolled back and the error is
 /// [`NoCallSlot`].
 pub(crate) async fn run(
     dispatcher: &Dispatcher,
@@ -189,12 +192,23 @@ pub(crate) async fn run(
                 emitted.push(e);
                 first_returned.get_or_insert_with(Instant::now);
             }
-            Err(f) if f.busy => {
-                if let Some(back) = f.tx {
-                    back.rollback().await?;
+            Err(f) if f.busy => match f.tx {
+                // The busy call never touched the transaction: the run ends with the events
+                // done, as at its time budget, rather than undo them to do them again.
+                Some(back) if !emitted.is_empty() && !back.is_poisoned() => {
+                    return Ok(Ran::Open {
+                        tx: back,
+                        emitted,
+                        failed: None,
+                    });
                 }
-                return Err(NoCallSlot.into());
-            }
+                back => {
+                    if let Some(back) = back {
+                        back.rollback().await?;
+                    }
+                    return Err(NoCallSlot.into());
+                }
+            },
             Err(mut f) => {
                 let failure = Failure {
                     error: std::mem::take(&mut f.error),
