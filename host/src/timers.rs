@@ -21,7 +21,7 @@
 //! fails) waits alone, with backoff. A deferred constraint is checked after each handler, as its own failure; a
 //! commit that fails anyway counts as a failed attempt of each timer of the batch, so that no
 //! timer fires for ever. A call refused for want of a call slot (`Busy`) is not the timer's
-//! fault and is not counted.
+//! fault and is not counted; a batch that could fire none for want of one backs off too.
 //!
 //! A host killed mid-firing leaves the transaction uncommitted: the row lock goes with its
 //! session, and the timer fires again on a living host.
@@ -286,6 +286,7 @@ impl TimerService {
         let started = Instant::now();
         let mut emitted = Vec::with_capacity(due.len());
         let mut done = Vec::with_capacity(due.len());
+        let mut busy = false;
         for due in due {
             if started.elapsed() > BATCH_BUDGET || *self.shutdown.borrow() {
                 // The rest stay due; the commit below releases their rows.
@@ -300,6 +301,7 @@ impl TimerService {
                 Fired::Failed(back) => tx = back,
                 Fired::Busy(back) => {
                     tx = back;
+                    busy = true;
                     break;
                 }
             }
@@ -316,6 +318,11 @@ impl TimerService {
             }
             fresh.commit().await?;
             return Err(e.into());
+        }
+        if busy && done.is_empty() {
+            // The host is overloaded: the loop backs off and says so, rather than take the
+            // same timers again at once.
+            return Err(crate::inbox::handling::NoCallSlot.into());
         }
         Ok(true)
     }
