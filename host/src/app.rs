@@ -73,6 +73,9 @@ pub async fn start(mut config: Config) -> Result<Host> {
     let pool = db::connect(&url, &config.database).await?;
     db::migrate(&pool).await?;
     warn_if_superuser(&pool).await;
+    for advice in config.advice() {
+        tracing::warn!("{advice}");
+    }
     let sessions = Arc::new(Sessions::new(&url, pool.clone(), &config.database)?);
 
     let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_settings())?;

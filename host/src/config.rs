@@ -723,6 +723,25 @@ impl Config {
         Ok(())
     }
 
+    /// Values that work but are likely a mistake, each a sentence naming its keys; the host
+    /// logs them at start. Not refused: a test, or an operator who means it, may want them.
+    pub fn advice(&self) -> Vec<String> {
+        let l = &self.limits;
+        let mut advice = Vec::new();
+        // A command may wait a deadline for a call slot, run for one, then commit.
+        let command = l.call_deadline * 2 + l.statement_timeout + Duration::from_secs(1);
+        if self.http.request_timeout < command {
+            advice.push(format!(
+                "http.request_timeout ({:?}) is shorter than a command may take (twice \
+                 limits.call_deadline, plus limits.statement_timeout for the commit, plus 1s: {:?}): \
+                 a client may be answered 503 for a command that then commits; retries with an \
+                 Idempotency-Key stay safe",
+                self.http.request_timeout, command
+            ));
+        }
+        advice
+    }
+
     /// Refuses values that cannot work, naming the key and the reason.
     pub fn validate(&self) -> Result<(), ConfigError> {
         fn invalid(key: &'static str, reason: &str) -> Result<(), ConfigError> {
@@ -948,6 +967,26 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         Config::default().validate().unwrap();
+        assert!(
+            Config::default().advice().is_empty(),
+            "{:?}",
+            Config::default().advice()
+        );
+    }
+
+    #[test]
+    fn a_request_timeout_shorter_than_a_command_may_take_is_advised_against() {
+        let mut c = Config::default();
+        c.limits.call_deadline = Duration::from_secs(10);
+        c.limits.statement_timeout = Duration::from_secs(5);
+        c.http.request_timeout = Duration::from_secs(25);
+        c.validate().unwrap();
+        let advice = c.advice();
+        assert_eq!(advice.len(), 1, "{advice:?}");
+        assert!(advice[0].starts_with("http.request_timeout (25s)"), "{advice:?}");
+        assert!(advice[0].contains("26s"), "{advice:?}");
+        c.http.request_timeout = Duration::from_secs(26);
+        assert!(c.advice().is_empty());
     }
 
     #[test]

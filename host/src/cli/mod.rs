@@ -362,6 +362,9 @@ impl Signals {
 fn config_check(file: Option<PathBuf>, print: bool) -> Result<ExitCode> {
     match Config::load(file.as_deref()) {
         Ok(config) => {
+            for advice in config.advice() {
+                eprintln!("warning: {advice}");
+            }
             if print {
                 // Secrets serialize as "[redacted]".
                 print!(

@@ -217,6 +217,10 @@ async fn adopt_legacy_role(conn: &mut PgConnection, name: &str, old: &str, role:
     Ok(())
 }
 
+/// What a plugin session's `idle_in_transaction_session_timeout` allows beyond a call's own
+/// bounds (see [`session_settings`]).
+const IDLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The settings a plugin's sessions start with. All of them may be changed by a session
 /// itself (the SQL policy refuses SET and set_config, but the wall is elsewhere): they are
 /// defaults that keep a plugin's work bounded, not privileges.
@@ -224,8 +228,9 @@ fn session_settings(schema: &str, limits: &Limits) -> Vec<(&'static str, String)
     let ms = |d: std::time::Duration| format!("{}ms", d.as_millis());
     // If the host ever stalls holding a transaction, Postgres ends it rather than let it pin
     // the xmin horizon. A call's transaction may wait one deadline for a call slot, and then
-    // run for one.
-    let idle = limits.call_deadline * 2 + limits.statement_timeout * 2;
+    // run for one; IDLE_MARGIN is for the host's own delays under load (a commit waiting for
+    // a worker thread), which short deadlines and timeouts would not cover.
+    let idle = limits.call_deadline * 2 + limits.statement_timeout * 2 + IDLE_MARGIN;
     vec![
         ("search_path", schema.to_string()),
         ("statement_timeout", ms(limits.statement_timeout)),
