@@ -550,8 +550,10 @@ async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
     host.shutdown().await;
 }
 
-/// Called straight from a plugin session, `obx_api.emit` refuses each bad event with its
-/// reason and its place, alone and behind a good one, and writes none of the call's events.
+/// Called straight from a plugin session, `obx_api.emit_each` (what the host calls) and
+/// `obx_api.emit` (kept for hosts of the previous version, written on it) refuse each bad
+/// event with its reason and its place, alone and behind a good one, and write none of the
+/// call's events.
 #[tokio::test]
 async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
     let host = spawn_host(&["testbed"]).await;
@@ -596,16 +598,38 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
         ),
     ] {
         for (events, n) in [(vec![bad], 1), (vec![good, bad], 2)] {
-            let sql = emit_sql(&events);
-            let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
-            let d = e.as_database_error().expect("a database error");
-            assert_eq!(d.code().as_deref(), Some("42501"), "{bad}: {d}");
-            assert!(
-                d.message().contains(&format!("event {n}: ")) && d.message().contains(why),
-                "{bad}: {d}"
-            );
+            for sql in [emit_sql(&events), emit_each_sql(&events, &["tp"; 2][..events.len()])] {
+                let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
+                let d = e.as_database_error().expect("a database error");
+                assert_eq!(d.code().as_deref(), Some("42501"), "{bad}: {d}");
+                assert!(
+                    d.message().contains(&format!("event {n}: ")) && d.message().contains(why),
+                    "{bad}: {d}"
+                );
+            }
         }
     }
+    // Each event's trace context is held to 128 bytes, and there is one for each event.
+    let long = "x".repeat(129);
+    let e = sqlx::raw_sql(&emit_each_sql(&[good, good], &["tp", &long]))
+        .execute(&mut s)
+        .await
+        .unwrap_err();
+    let d = e.as_database_error().expect("a database error");
+    assert_eq!(d.code().as_deref(), Some("42501"), "{d}");
+    assert!(
+        d.message().contains("event 2: the trace context is over 128 bytes"),
+        "{d}"
+    );
+    let e = sqlx::raw_sql(&emit_each_sql(&[good, good], &["tp"]))
+        .execute(&mut s)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.as_database_error().and_then(|d| d.code()).as_deref(),
+        Some("22023"),
+        "{e}"
+    );
     assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
     // One good event is written, as the session's plugin's.
     let one = emit_sql(&[good]);
@@ -617,6 +641,12 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
     );
     host.shutdown().await;
 }
+
+/// The host's default limits of one call's events, which one outbox statement keeps to.
+const PER_STATEMENT: obx::outbox::writer::PerStatement = obx::outbox::writer::PerStatement {
+    events: 1000,
+    payload_bytes: 16 << 20,
+};
 
 /// The host writes a call's outbox rows at its commit, as SQL text on the plugin's own session
 /// and after whatever the plugin did to it. With the session's string syntax, client encoding
@@ -662,23 +692,47 @@ async fn outbox_rows_written_at_commit_are_stored_as_given_whatever_the_session_
     );
     let mut tx = host.host.sessions.begin("testbed").await.unwrap();
     sqlx::raw_sql(&hostile).execute(&mut *tx).await.unwrap();
-    obx::outbox::writer::insert_at_commit(
-        &mut tx,
-        "0.1.0",
-        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
-        &events,
-    );
+    // Two calls' rows, as a batch of consumed events writes them: each call's trace context
+    // on its own rows.
+    let traces = [
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "t'\"{},NULL\\'",
+    ];
+    let calls = [
+        obx::outbox::writer::CallRows {
+            version: "0.1.0",
+            traceparent: traces[0],
+            events: &events[..3],
+        },
+        obx::outbox::writer::CallRows {
+            version: "0.1.0",
+            traceparent: traces[1],
+            events: &events[3..],
+        },
+    ];
+    obx::outbox::writer::insert_at_commit(&mut tx, &calls, PER_STATEMENT);
     tx.commit().await.expect("the commit, with the outbox rows");
 
-    let rows: Vec<(String, String, String, String)> = sqlx::query_as(
-        "SELECT aggregate_id, partition_key, payload->>'s', plugin_name FROM obx.outbox_event ORDER BY id",
+    let rows: Vec<(String, String, String, String, String)> = sqlx::query_as(
+        "SELECT aggregate_id, partition_key, payload->>'s', plugin_name, traceparent FROM obx.outbox_event \
+         ORDER BY id",
     )
     .fetch_all(&host.db)
     .await
     .unwrap();
     let expected: Vec<_> = values
         .iter()
-        .map(|v| (v.to_string(), format!("{v}-key"), v.to_string(), "testbed".to_string()))
+        .enumerate()
+        .map(|(i, v)| {
+            let trace = traces[usize::from(i >= 3)].to_string();
+            (
+                v.to_string(),
+                format!("{v}-key"),
+                v.to_string(),
+                "testbed".to_string(),
+                trace,
+            )
+        })
         .collect();
     assert_eq!(rows, expected);
     let delayed: (String, String) = sqlx::query_as("SELECT aggregate_id, payload->>'s' FROM obx.outbox_delayed")
@@ -698,7 +752,12 @@ async fn outbox_rows_written_at_commit_are_stored_as_given_whatever_the_session_
         .unwrap();
     let mut refused = event("refused", 0);
     refused.event_type = "Undeclared".into();
-    obx::outbox::writer::insert_at_commit(&mut tx, "0.1.0", None, &[event("fine", 0), refused]);
+    let call = obx::outbox::writer::CallRows {
+        version: "0.1.0",
+        traceparent: traces[0],
+        events: &[event("fine", 0), refused],
+    };
+    obx::outbox::writer::insert_at_commit(&mut tx, &[call], PER_STATEMENT);
     let e = tx
         .commit()
         .await
@@ -724,6 +783,11 @@ async fn outbox_rows_written_at_commit_are_stored_as_given_whatever_the_session_
 /// A call of `obx_api.emit` with `events`, each given as its seven comma-separated SQL
 /// values (none holds a comma), turned into the function's seven arrays.
 fn emit_sql(events: &[&str]) -> String {
+    format!("SELECT obx_api.emit('1', NULL, {})", emit_arrays(events))
+}
+
+/// The seven arrays of `events` (see [`emit_sql`]), comma-separated.
+fn emit_arrays(events: &[&str]) -> String {
     let arrays: Vec<String> = (0..7)
         .map(|i| {
             let column: Vec<&str> = events
@@ -734,7 +798,18 @@ fn emit_sql(events: &[&str]) -> String {
             format!("ARRAY[{}]::{of}[]", column.join(", "))
         })
         .collect();
-    format!("SELECT obx_api.emit('1', NULL, {})", arrays.join(", "))
+    arrays.join(", ")
+}
+
+/// A call of `obx_api.emit_each` with `events`, as [`emit_sql`] takes them, and a trace
+/// context for each of `traceparents`.
+fn emit_each_sql(events: &[&str], traceparents: &[&str]) -> String {
+    let traceparents: Vec<String> = traceparents.iter().map(|t| format!("'{t}'")).collect();
+    format!(
+        "SELECT obx_api.emit_each('1', ARRAY[{}]::text[], {})",
+        traceparents.join(", "),
+        emit_arrays(events)
+    )
 }
 
 /// A plugin may change its own role's password (Postgres lets every role); the host then sets

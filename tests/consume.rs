@@ -1556,11 +1556,18 @@ async fn an_event_that_gets_its_call_slot_late_still_has_its_whole_deadline() {
 /// Stores ten inbox events of key `A` for the testbed in one statement, as the consumer's
 /// intake would (`seq` 0 to 9; the event `seq` = `gate_at` waits for the [`Gate`]).
 async fn store_ten_inbox_events(host: &TestHost, gate_at: i64) {
+    store_ten_inbox_events_emitting(host, gate_at, None).await;
+}
+
+/// [`store_ten_inbox_events`], each event's handler emitting a follow-up to `then`, if given.
+async fn store_ten_inbox_events_emitting(host: &TestHost, gate_at: i64, then: Option<&str>) {
+    let then = then.map_or("NULL".to_string(), |t| format!("'{t}'"));
     host.count(&format!(
         "WITH stored AS (INSERT INTO obx.inbox_event \
              (consumer, event_id, topic, payload, event_type, partition_key, headers) \
            SELECT 'testbed', gen_random_uuid(), '{INBOX}', \
-                  jsonb_build_object('seq', n, 'gate', n = {gate_at}), 'Thing', 'A', '{{}}' \
+                  jsonb_strip_nulls(jsonb_build_object('seq', n, 'gate', n = {gate_at}, 'then', {then})), \
+                  'Thing', 'A', '{{}}' \
            FROM generate_series(0, 9) AS n ORDER BY n RETURNING 1) \
          SELECT count(*) FROM stored"
     ))
@@ -1670,6 +1677,39 @@ async fn an_inbox_batch_that_runs_out_of_call_slots_keeps_the_events_it_ran() {
     );
     await_ten_processed_once(&host).await;
     assert_eq!(taken_with(&host, 0).await, 1, "the first event's batch ended after it");
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}
+
+/// A batch writes its handlers' outbox rows in as few `obx_api.emit_each` statements as the
+/// per-call limits allow (it wrote one `obx_api.emit` statement per event). Ten events of one
+/// batch each emit a follow-up, with `limits.max_emits_per_call` 4, which the database holds
+/// each statement to: the batch commits, its rows in three statements, in the events' order,
+/// each row with its own event's trace context.
+#[tokio::test]
+async fn a_batch_writes_its_handlers_outbox_rows_together_within_the_per_call_limits() {
+    let broker = broker();
+    let (first, _) = not_consuming(&broker, INBOX).await;
+    store_ten_inbox_events_emitting(&first, -1, Some("testbed.saga")).await;
+    let host = next_host(&broker, first, |c| {
+        c.consumer.inbox_processors = 1;
+        c.limits.max_emits_per_call = 4;
+    })
+    .await;
+    await_ten_processed_once(&host).await;
+    assert_eq!(taken_with(&host, 0).await, 10, "one batch");
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT (i.payload->>'seq')::int8, o.traceparent FROM obx.outbox_event o \
+         JOIN obx.inbox_event i ON i.event_id::text = o.payload->>'causationId' \
+         WHERE o.topic = 'testbed.saga' ORDER BY o.id",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    let seqs: Vec<i64> = rows.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(seqs, (0..10).collect::<Vec<_>>(), "the rows follow the events' order");
+    let traces: std::collections::HashSet<&str> = rows.iter().map(|(_, t)| t.as_str()).collect();
+    assert_eq!(traces.len(), 10, "each row carries its own event's trace: {rows:?}");
     assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
     host.shutdown().await;
 }

@@ -21,7 +21,7 @@ use sqlx::PgPool;
 use crate::db::sessions::{PluginTx, SessionError, Sessions};
 use crate::idempotency::{self, Claim};
 use crate::otel::{self, Kind};
-use crate::outbox;
+use crate::outbox::{self, writer};
 use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
 use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
@@ -394,7 +394,7 @@ impl Dispatcher {
         events: &[outbox::NewEvent],
         answer: Option<(&str, u16, &[u8])>,
     ) -> Result<(), CommandError> {
-        outbox_insert(&mut tx, &plugin.manifest.version, trace, events);
+        self.outbox_insert(&mut tx, [(plugin.manifest.version.as_str(), trace, events)]);
         if let Some((key, status, body)) = answer {
             idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
@@ -446,31 +446,6 @@ pub struct Emitted {
     /// The plugin version that handled the event, and the trace context of its handling.
     pub version: String,
     pub trace: TraceContext,
-}
-
-impl Emitted {
-    /// Has the event's transaction write the outbox rows at its commit (outbox ids are taken
-    /// at the end of a transaction); how many. A batch calls this for each of its events.
-    pub fn write(&self, tx: &mut PluginTx) -> usize {
-        outbox_insert(tx, &self.version, &self.trace, &self.events);
-        self.events.len()
-    }
-}
-
-/// Has the call's transaction write its outbox rows at its commit, under a span of their own
-/// whose trace context the rows carry: the relay's publish and every consumer's handling of the
-/// events are its children. The rows are written in the commit's round trip, so a refused row
-/// is the commit's failure, reported with it.
-fn outbox_insert(tx: &mut PluginTx, version: &str, parent: &TraceContext, events: &[outbox::NewEvent]) {
-    if events.is_empty() {
-        return;
-    }
-    let mut span = otel::Span::export_only("outbox insert", Kind::Producer, Some(parent));
-    let traceparent = span.as_ref().map_or(parent, |s| s.context()).header();
-    outbox::writer::insert_at_commit(tx, version, Some(&traceparent), events);
-    if let Some(span) = &mut span {
-        span.set("messaging.batch.message_count", events.len() as i64);
-    }
 }
 
 /// The span of one guest call (`export` is the WIT export it calls).
@@ -607,12 +582,58 @@ impl Dispatcher {
     }
 
     /// Commits an event's transaction and wakes the relay if it wrote outbox rows.
-    pub async fn commit_event(&self, tx: PluginTx, events: usize) -> sqlx::Result<()> {
+    /// Writes the outbox rows of handled events (`emitted`, in the order they were handled)
+    /// and commits; wakes the relay if there were any.
+    pub async fn commit_events(&self, mut tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
+        let calls = emitted.iter().map(|e| (e.version.as_str(), &e.trace, &e.events[..]));
+        let written = self.outbox_insert(&mut tx, calls);
         tx.commit().await?;
-        if events > 0 {
+        if written > 0 {
             self.signal.notify();
         }
         Ok(())
+    }
+
+    /// Has the transaction write the outbox rows of its calls (each a plugin version, the
+    /// call's trace context and its events) at its commit, in one round trip with it, so
+    /// that a refused row is the commit's failure, reported with it. Each call's rows go
+    /// under a span of their own whose trace context they carry: the relay's publish and
+    /// every consumer's handling of the events are its children. Returns how many rows.
+    fn outbox_insert<'a>(
+        &self,
+        tx: &mut PluginTx,
+        calls: impl IntoIterator<Item = (&'a str, &'a TraceContext, &'a [outbox::NewEvent])>,
+    ) -> usize {
+        let calls: Vec<_> = calls.into_iter().filter(|(_, _, events)| !events.is_empty()).collect();
+        if calls.is_empty() {
+            return 0;
+        }
+        let mut spans = Vec::with_capacity(calls.len());
+        let mut traceparents = Vec::with_capacity(calls.len());
+        for (_, parent, events) in &calls {
+            let mut span = otel::Span::export_only("outbox insert", Kind::Producer, Some(parent));
+            traceparents.push(span.as_ref().map_or(*parent, |s| s.context()).header());
+            if let Some(span) = &mut span {
+                span.set("messaging.batch.message_count", events.len() as i64);
+            }
+            spans.push(span);
+        }
+        let rows: Vec<writer::CallRows<'_>> = calls
+            .iter()
+            .zip(&traceparents)
+            .map(|((version, _, events), traceparent)| writer::CallRows {
+                version,
+                traceparent,
+                events,
+            })
+            .collect();
+        let limits = self.runtime.limits();
+        let per_statement = writer::PerStatement {
+            events: limits.max_emits_per_call as usize,
+            payload_bytes: limits.max_emit_bytes_per_call,
+        };
+        writer::insert_at_commit(tx, &rows, per_statement);
+        rows.iter().map(|r| r.events.len()).sum()
     }
 }
 

@@ -1006,7 +1006,7 @@ impl Round {
 
 /// Commands/s three ways, on one database: pgbench running the handler's SQL on the plugin's
 /// own login (the ceiling), the same logic as native Rust in the host's transaction shape
-/// (a plugin session, the outbox through `obx_api.emit`, the session cleared with the
+/// (a plugin session, the outbox through `obx_api.emit_each`, the session cleared with the
 /// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
 /// them; relay and consumers off), in `rounds` interleaved rounds of `duration` each. On a
 /// shared machine a single run of each is as much luck as measure (pgbench alone has ranged
@@ -1127,8 +1127,12 @@ where
     Ok((rate, cpu.per_command(done.load(Ordering::Relaxed))))
 }
 
+/// The trace context the native handler and pgbench give their outbox rows, as the host gives
+/// a command's.
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 /// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
-/// `obx_api.emit`, COMMIT, each a prepared statement; the last two in one round trip (a
+/// `obx_api.emit_each`, COMMIT, each a prepared statement; the last two in one round trip (a
 /// pipeline), as the host sends its outbox rows with the commit.
 async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, duration: Duration) -> Result<f64> {
     let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
@@ -1137,8 +1141,8 @@ async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, 
          INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
          ON CONFLICT (id) DO NOTHING RETURNING id;\n\
          \\startpipeline\n\
-         SELECT obx_api.emit('0.1.0', NULL, ARRAY[gen_random_uuid()], ARRAY['Order'], ARRAY['o'], \
-         ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
+         SELECT obx_api.emit_each('0.1.0', ARRAY['{TRACEPARENT}'], ARRAY[gen_random_uuid()], ARRAY['Order'], \
+         ARRAY['o'], ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
          COMMIT;\n\
          \\endpipeline\n"
     );
@@ -1287,7 +1291,16 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
                     partition_key: id.to_string(),
                     delay_ms: 0,
                 };
-                obx::outbox::writer::insert_at_commit(&mut tx, "0.1.0", None, &[event]);
+                let rows = obx::outbox::writer::CallRows {
+                    version: "0.1.0",
+                    traceparent: TRACEPARENT,
+                    events: &[event],
+                };
+                let per_statement = obx::outbox::writer::PerStatement {
+                    events: 1000,
+                    payload_bytes: 16 << 20,
+                };
+                obx::outbox::writer::insert_at_commit(&mut tx, &[rows], per_statement);
                 tx.commit().await?;
                 done += 1;
                 done_total.fetch_add(1, Ordering::Relaxed);
@@ -1567,7 +1580,7 @@ const NOTES: &str = "
 ## Reading the figures
 
 - **Commands.** pgbench runs the handler's statements on the plugin's own login (`BEGIN`,
-  the insert, then the outbox row through `obx_api.emit` and `COMMIT` in one round trip, a
+  the insert, then the outbox row through `obx_api.emit_each` and `COMMIT` in one round trip, a
   pipeline, as the host sends them) with nothing else: that is what Postgres itself can do
   here. The native handler adds what the host does around any
   handler: a pool, JSON in and out, the session's check and clearing with the commit. The

@@ -240,7 +240,6 @@ pub(crate) async fn run(
 }
 
 /// Writes the handled events' outbox rows and commits; wakes the relay if there were any.
-pub(crate) async fn commit(dispatcher: &Dispatcher, mut tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
-    let written = emitted.iter().map(|e| e.write(&mut tx)).sum();
-    dispatcher.commit_event(tx, written).await
+pub(crate) async fn commit(dispatcher: &Dispatcher, tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
+    dispatcher.commit_events(tx, emitted).await
 }

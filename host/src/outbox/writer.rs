@@ -1,5 +1,5 @@
-//! Writes a call's buffered events into the outbox, inside the call's transaction, through
-//! `obx_api.emit` (and `obx_api.emit_delayed` for delayed events): the call's session is the
+//! Writes calls' buffered events into the outbox, inside their transaction, through
+//! `obx_api.emit_each` (and `obx_api.emit_delayed` for delayed events): the call's session is the
 //! plugin's own, which may not write the outbox itself. The functions name the plugin from the
 //! session's login, never from us.
 //!
@@ -7,43 +7,104 @@
 //! session runs them in the round trip of its `COMMIT` ([`PluginTx::write_at_commit`]): a
 //! statement with parameters would take a round trip of its own, one more per command.
 
-use crate::db::literal::{push_array, push_optional_text, push_text};
+use crate::db::literal::{push_array, push_text};
 use crate::db::sessions::PluginTx;
 
 use super::NewEvent;
 
-/// Has `tx` insert `events` at its commit, in emit order (so `id` follows emit order), with one
-/// statement for the events published on commit and one more for delayed events, if any, and
-/// the emitting plugin (the session's) and version recorded on every row. `created_at` is the
-/// insert's own clock, taken just before the commit, so that commit-to-publish latency can be
-/// measured from it; a delayed event is due `delay_ms` after it. A refused event fails the
-/// commit, which then commits nothing.
-pub fn insert_at_commit(tx: &mut PluginTx, plugin_version: &str, traceparent: Option<&str>, events: &[NewEvent]) {
-    let (delayed, now): (Vec<&NewEvent>, Vec<&NewEvent>) = events.iter().partition(|e| e.delay_ms > 0);
-    if !now.is_empty() {
-        tx.write_at_commit(statement(plugin_version, traceparent, &now, false));
+/// The outbox rows of one call: the plugin version that made them, and the trace context
+/// they carry.
+pub struct CallRows<'a> {
+    pub version: &'a str,
+    pub traceparent: &'a str,
+    pub events: &'a [NewEvent],
+}
+
+/// What one statement may carry: the per-call limits (`limits.max_emits_per_call`,
+/// `limits.max_emit_bytes_per_call`) that `obx_api.emit_each` holds each of its calls to.
+#[derive(Clone, Copy)]
+pub struct PerStatement {
+    pub events: usize,
+    pub payload_bytes: usize,
+}
+
+/// Has `tx` insert the rows of `calls` at its commit, in order (so `id` follows emit order),
+/// with the emitting plugin (the session's) and version recorded on every row. The events
+/// published on commit go in as few `obx_api.emit_each` statements as `per_statement` allows
+/// (a batch of consumed events writes its handlers' rows together), a call's never split;
+/// each call's delayed events, if any, in an `obx_api.emit_delayed` of their own.
+/// `created_at` is the insert's own clock, taken just before the commit, so that
+/// commit-to-publish latency can be measured from it; a delayed event is due `delay_ms` after
+/// it. A refused event fails the commit, which then commits nothing.
+pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement: PerStatement) {
+    let mut statement: Vec<(&str, &NewEvent)> = Vec::new();
+    let (mut version, mut bytes) = ("", 0);
+    for call in calls {
+        let now: Vec<&NewEvent> = call.events.iter().filter(|e| e.delay_ms == 0).collect();
+        let call_bytes: usize = now.iter().map(|e| e.payload.len()).sum();
+        let full = statement.len() + now.len() > per_statement.events
+            || bytes + call_bytes > per_statement.payload_bytes
+            || call.version != version;
+        if full && !statement.is_empty() {
+            tx.write_at_commit(emit_each(version, &statement));
+            (statement, bytes) = (Vec::new(), 0);
+        }
+        version = call.version;
+        bytes += call_bytes;
+        statement.extend(now.into_iter().map(|e| (call.traceparent, e)));
     }
-    if !delayed.is_empty() {
-        tx.write_at_commit(statement(plugin_version, traceparent, &delayed, true));
+    if !statement.is_empty() {
+        tx.write_at_commit(emit_each(version, &statement));
+    }
+    for call in calls {
+        let delayed: Vec<&NewEvent> = call.events.iter().filter(|e| e.delay_ms > 0).collect();
+        if !delayed.is_empty() {
+            tx.write_at_commit(emit_delayed(call, &delayed));
+        }
     }
 }
 
-/// `SELECT obx_api.emit(…)` for `events`, the fields as the parallel arrays the function
-/// takes; `obx_api.emit_delayed(…)` and their delays if `delayed`.
-fn statement(plugin_version: &str, traceparent: Option<&str>, events: &[&NewEvent], delayed: bool) -> String {
-    let bytes: usize = events.iter().map(|e| e.payload.len() + 256).sum();
-    let mut sql = String::with_capacity(bytes + 256);
-    sql.push_str(if delayed {
-        "SELECT obx_api.emit_delayed("
-    } else {
-        "SELECT obx_api.emit("
-    });
-    push_text(&mut sql, plugin_version);
+/// `SELECT obx_api.emit_each(…)` for `events`, each with its trace context: the fields as the
+/// parallel arrays the function takes.
+fn emit_each(version: &str, events: &[(&str, &NewEvent)]) -> String {
+    let mut sql = String::with_capacity(capacity(events.iter().map(|(_, e)| *e)));
+    sql.push_str("SELECT obx_api.emit_each(");
+    push_text(&mut sql, version);
     sql.push_str(", ");
-    push_optional_text(&mut sql, traceparent);
-    let ids: Vec<String> = events.iter().map(|e| e.event_id.to_string()).collect();
+    push_array(&mut sql, events.iter().map(|(t, _)| *t), "pg_catalog.text");
+    push_columns(&mut sql, events.iter().map(|(_, e)| *e));
+    sql.push(')');
+    sql
+}
+
+/// `SELECT obx_api.emit_delayed(…)` for the delayed `events` of `call`, and their delays.
+fn emit_delayed(call: &CallRows<'_>, events: &[&NewEvent]) -> String {
+    let mut sql = String::with_capacity(capacity(events.iter().copied()));
+    sql.push_str("SELECT obx_api.emit_delayed(");
+    push_text(&mut sql, call.version);
     sql.push_str(", ");
-    push_array(&mut sql, ids.iter().map(String::as_str), "pg_catalog.uuid");
+    push_text(&mut sql, call.traceparent);
+    push_columns(&mut sql, events.iter().copied());
+    let delays: Vec<String> = events
+        .iter()
+        .map(|e| i64::try_from(e.delay_ms).unwrap_or(i64::MAX).to_string())
+        .collect();
+    sql.push_str(", ");
+    push_array(&mut sql, delays.iter().map(String::as_str), "pg_catalog.int8");
+    sql.push(')');
+    sql
+}
+
+fn capacity<'a>(events: impl Iterator<Item = &'a NewEvent>) -> usize {
+    events.map(|e| e.payload.len() + 320).sum::<usize>() + 256
+}
+
+/// Appends `, ids, aggregate types, aggregate ids, event types, payloads, topics, partition
+/// keys`: the arrays both functions take, in their order.
+fn push_columns<'a>(sql: &mut String, events: impl Iterator<Item = &'a NewEvent> + Clone) {
+    let ids: Vec<String> = events.clone().map(|e| e.event_id.to_string()).collect();
+    sql.push_str(", ");
+    push_array(sql, ids.iter().map(String::as_str), "pg_catalog.uuid");
     let columns: [fn(&NewEvent) -> &str; 6] = [
         |e| &e.aggregate_type,
         |e| &e.aggregate_id,
@@ -54,16 +115,6 @@ fn statement(plugin_version: &str, traceparent: Option<&str>, events: &[&NewEven
     ];
     for column in columns {
         sql.push_str(", ");
-        push_array(&mut sql, events.iter().map(|e| column(e)), "pg_catalog.text");
+        push_array(sql, events.clone().map(column), "pg_catalog.text");
     }
-    if delayed {
-        let delays: Vec<String> = events
-            .iter()
-            .map(|e| i64::try_from(e.delay_ms).unwrap_or(i64::MAX).to_string())
-            .collect();
-        sql.push_str(", ");
-        push_array(&mut sql, delays.iter().map(String::as_str), "pg_catalog.int8");
-    }
-    sql.push(')');
-    sql
 }
