@@ -521,6 +521,28 @@ async fn a_host_whose_user_is_named_obx_restarts() {
     }
 }
 
+/// A host starts on a database that a newer host of the service has migrated further (a
+/// rolling upgrade, with this host restarted meanwhile): the newer migrations keep the previous
+/// version working. sqlx refused it before ("migration 9999 was previously applied but is
+/// missing"), so the old host could not come back until it was upgraded.
+#[tokio::test]
+async fn a_host_starts_on_a_schema_a_newer_host_migrated() {
+    let host = spawn_host(&["testbed"]).await;
+    let url = host.database_url.clone();
+    sqlx::raw_sql(
+        "INSERT INTO obx._sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (9999, 'from a newer host', true, '\\x00', 0)",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    host.shutdown().await;
+    let host = spawn_host_on(&url, &["testbed"], |_| {}).await;
+    let ok = host.command("testbed", "ok", json!({ "id": "after" })).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    host.shutdown().await;
+}
+
 /// Plugins emit only what their manifest declares, never to Kafka's own topics, and never a
 /// payload the producer could not send.
 #[tokio::test]

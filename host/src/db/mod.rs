@@ -25,8 +25,15 @@ use sqlx::PgPool;
 
 use crate::config::DatabaseConfig;
 
-/// The host's schema migrations, embedded from `migrations/` at build time.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+/// The host's schema migrations, embedded from `migrations/` at build time. A newer host of
+/// the service may have migrated the schema already (a rolling upgrade, and this host
+/// restarted meanwhile): its migrations keep the previous version working, so this host
+/// starts on them rather than refuse ([`migrate`] says so in the log).
+pub fn migrator() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("../migrations");
+    migrator.set_ignore_missing(true);
+    migrator
+}
 
 /// Whether a failed commit was refused for what its transaction holds, which would refuse it
 /// the same way at every try: a deferred constraint, the error of a deferred trigger, a row
@@ -120,7 +127,8 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         }
     }
     adopt_legacy_history(&mut conn).await?;
-    MIGRATOR
+    warn_of_newer_schema(&mut conn).await;
+    migrator()
         .run(&mut *conn)
         .await
         .context("applying the host's migrations")?;
@@ -128,11 +136,30 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     Ok(())
 }
 
+/// Says so when the database holds host migrations newer than this host's own.
+async fn warn_of_newer_schema(conn: &mut sqlx::PgConnection) {
+    let ours = migrator().iter().map(|m| m.version).max().unwrap_or(0);
+    let newer: sqlx::Result<Option<i64>> =
+        sqlx::query_scalar("SELECT max(version) FROM obx._sqlx_migrations WHERE version > $1 AND success")
+            .bind(ours)
+            .fetch_one(&mut *conn)
+            .await;
+    if let Ok(Some(newest)) = newer {
+        tracing::warn!(
+            ours,
+            newest,
+            "a newer host has migrated the database past this host's migrations; this host runs \
+             on the newer schema, which keeps the previous version working (upgrade this host)"
+        );
+    }
+}
+
 /// Hosts before 0.2 kept sqlx's history in the first schema of the default search path,
 /// usually `public`. If it is there (and it is ours: migration 1 with our checksum), move it
 /// to `obx`, so that the migrations are not applied a second time.
 async fn adopt_legacy_history(conn: &mut sqlx::PgConnection) -> Result<()> {
-    let first = MIGRATOR.iter().next().context("no host migrations")?;
+    let migrator = migrator();
+    let first = migrator.iter().next().context("no host migrations")?;
     let legacy: Option<String> = sqlx::query_scalar(
         "SELECT n.nspname::text FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
