@@ -581,7 +581,6 @@ impl Dispatcher {
         outcome
     }
 
-    /// Commits an event's transaction and wakes the relay if it wrote outbox rows.
     /// Writes the outbox rows of handled events (`emitted`, in the order they were handled)
     /// and commits; wakes the relay if there were any.
     pub async fn commit_events(&self, mut tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
@@ -608,6 +607,7 @@ impl Dispatcher {
         if calls.is_empty() {
             return 0;
         }
+        // Each span ends when dropped, with this function, once its rows are queued.
         let mut spans = Vec::with_capacity(calls.len());
         let mut traceparents = Vec::with_capacity(calls.len());
         for (_, parent, events) in &calls {

@@ -306,7 +306,7 @@ impl TimerService {
                 }
             }
         }
-        if let Err(e) = crate::inbox::handling::commit(&self.dispatcher, tx, &emitted).await {
+        if let Err(e) = self.dispatcher.commit_events(tx, &emitted).await {
             // What the batch's handlers did is gone with it: each of them counts as failed, or
             // a plugin whose commits always fail would fire the same timers for ever.
             let mut fresh = self.dispatcher.sessions.begin(name).await?;

@@ -584,7 +584,7 @@ impl Lane {
                 if !not_run.is_empty() {
                     forget_events(&mut tx, &not_run).await?;
                 }
-                handling::commit(&self.dispatcher, tx, &emitted).await?;
+                self.dispatcher.commit_events(tx, &emitted).await?;
                 metrics::histogram!("obx_consumer_batch_events", "plugin" => self.plugin.clone())
                     .record(settled(stop) as f64);
                 Ok(Batch::Committed(settled(stop), failed))
@@ -692,7 +692,7 @@ impl Lane {
                         tx,
                         emitted,
                         failed: None,
-                    } => match handling::commit(&self.dispatcher, tx, &emitted).await {
+                    } => match self.dispatcher.commit_events(tx, &emitted).await {
                         Ok(()) => Ok(Step::Done),
                         Err(e) => match handling::refused_commit(&e) {
                             Some(failure) => Ok(Step::Failed(failure)),

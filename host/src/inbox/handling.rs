@@ -5,9 +5,9 @@
 //! the caller's choice ([`Undo`]): the event alone, rolled back to a savepoint taken before
 //! it, or the whole transaction, when the caller would rather do the events before it again
 //! than pay for a savepoint per event. The caller records what the failure means (a retry
-//! later, or a dead letter: `obx.park_event`, in either mode), and [`commit`]s: the outbox
-//! rows of the handled events are written just before the commit, as a single command's
-//! are, so outbox id order stays commit order.
+//! later, or a dead letter: `obx.park_event`, in either mode), and commits
+//! ([`Dispatcher::commit_events`]): the outbox rows of the handled events are written just
+//! before the commit, as a single command's are, so outbox id order stays commit order.
 
 use std::time::{Duration, Instant};
 
@@ -237,9 +237,4 @@ pub(crate) async fn run(
         emitted,
         failed: None,
     })
-}
-
-/// Writes the handled events' outbox rows and commits; wakes the relay if there were any.
-pub(crate) async fn commit(dispatcher: &Dispatcher, tx: PluginTx, emitted: &[Emitted]) -> sqlx::Result<()> {
-    dispatcher.commit_events(tx, emitted).await
 }

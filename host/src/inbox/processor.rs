@@ -231,7 +231,7 @@ impl Processor {
                 .await?;
         }
         let handled = emitted.len();
-        if let Err(e) = handling::commit(&self.dispatcher, tx, &emitted).await {
+        if let Err(e) = self.dispatcher.commit_events(tx, &emitted).await {
             let Some(failure) = handling::refused_commit(&e) else {
                 return Err(e.into());
             };
