@@ -572,8 +572,9 @@ async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
     host.shutdown().await;
 }
 
-/// Called straight from a plugin session, `obx_api.emit_each` (what the host calls) and
-/// `obx_api.emit` (kept for hosts of the previous version, written on it) refuse each bad
+/// Called straight from a plugin session, `obx_api.emit_calls` (what the host calls),
+/// `obx_api.emit_each` and `obx_api.emit` (kept for hosts of previous versions, written on
+/// it) refuse each bad
 /// event with its reason and its place, alone and behind a good one, and write none of the
 /// call's events.
 #[tokio::test]
@@ -620,7 +621,13 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
         ),
     ] {
         for (events, n) in [(vec![bad], 1), (vec![good, bad], 2)] {
-            for sql in [emit_sql(&events), emit_each_sql(&events, &["tp"; 2][..events.len()])] {
+            let traceparents = &["tp"; 2][..events.len()];
+            let calls = &[1; 2][..events.len()];
+            for sql in [
+                emit_sql(&events),
+                emit_each_sql(&events, traceparents),
+                emit_calls_sql(&events, calls, traceparents),
+            ] {
                 let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
                 let d = e.as_database_error().expect("a database error");
                 assert_eq!(d.code().as_deref(), Some("42501"), "{bad}: {d}");
@@ -661,6 +668,63 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
             .await,
         1
     );
+    host.shutdown().await;
+}
+
+/// `obx_api.emit_calls` holds each call of a statement to the plugin's limits, not the whole
+/// statement (a batch's rows go in one): with four events and 10 payload bytes a call, two
+/// calls of three events pass, one call of six does not, nor a call over the bytes, though
+/// calls within them pass together; and call
+/// sizes that do not add up to the events are refused once they matter. Nothing refused is
+/// written.
+#[tokio::test]
+async fn emit_calls_holds_each_call_of_a_statement_to_the_limits() {
+    let host = spawn_host(&["testbed"]).await;
+    let limited = host
+        .count(
+            "WITH u AS (UPDATE obx.plugin SET max_emits_per_call = 4, max_emit_bytes_per_call = 10 \
+             WHERE name = 'testbed' RETURNING 1) SELECT count(*) FROM u",
+        )
+        .await;
+    assert_eq!(limited, 1);
+    let mut s = host.plugin_session("testbed").await;
+    let small = "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '{}', 'testbed.events', 'k'";
+    let big = "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '\"abcdefghij\"', 'testbed.events', 'k'";
+    let mid = "gen_random_uuid(), 'Item', 'i', 'ItemEmitted', '\"abcd\"', 'testbed.events', 'k'";
+    let six = [small; 6];
+    for (events, calls, refused) in [
+        (&six[..], &[6][..], Some(("54000", "at most 4 events"))),
+        (&six[..], &[3, 2][..], Some(("22023", "do not add up"))),
+        (&six[..], &[3, 4][..], Some(("22023", "do not add up"))),
+        (&six[..], &[0, 6][..], Some(("22023", "do not add up"))),
+        (&six[..], &[][..], Some(("22023", "do not add up"))),
+        (
+            &[small, small, big][..],
+            &[2, 1][..],
+            Some(("54000", "at most 10 payload bytes")),
+        ),
+        (&six[..], &[3, 3][..], None),
+        (&six[..], &[1; 6][..], None),
+        (&[mid, mid, small][..], &[1, 2][..], None),
+    ] {
+        let sql = emit_calls_sql(events, calls, &vec!["tp"; events.len()]);
+        let before = host.count("SELECT count(*) FROM obx.outbox_event").await;
+        let result = sqlx::raw_sql(&sql).execute(&mut s).await;
+        let after = host.count("SELECT count(*) FROM obx.outbox_event").await;
+        match refused {
+            Some((code, why)) => {
+                let e = result.expect_err(&sql);
+                let d = e.as_database_error().expect("a database error");
+                assert_eq!(d.code().as_deref(), Some(code), "{calls:?}: {d}");
+                assert!(d.message().contains(why), "{calls:?}: {d}");
+                assert_eq!(after, before, "{calls:?}: nothing written");
+            }
+            None => {
+                result.expect(&sql);
+                assert_eq!(after - before, events.len() as i64, "{calls:?}");
+            }
+        }
+    }
     host.shutdown().await;
 }
 
@@ -829,6 +893,19 @@ fn emit_each_sql(events: &[&str], traceparents: &[&str]) -> String {
     let traceparents: Vec<String> = traceparents.iter().map(|t| format!("'{t}'")).collect();
     format!(
         "SELECT obx_api.emit_each('1', ARRAY[{}]::text[], {})",
+        traceparents.join(", "),
+        emit_arrays(events)
+    )
+}
+
+/// A call of `obx_api.emit_calls` with `events`, as [`emit_sql`] takes them, made by calls of
+/// the sizes `calls`, and a trace context for each of `traceparents`.
+fn emit_calls_sql(events: &[&str], calls: &[i32], traceparents: &[&str]) -> String {
+    let calls: Vec<String> = calls.iter().map(i32::to_string).collect();
+    let traceparents: Vec<String> = traceparents.iter().map(|t| format!("'{t}'")).collect();
+    format!(
+        "SELECT obx_api.emit_calls('1', ARRAY[{}]::int4[], ARRAY[{}]::text[], {})",
+        calls.join(", "),
         traceparents.join(", "),
         emit_arrays(events)
     )

@@ -1681,11 +1681,10 @@ async fn an_inbox_batch_that_runs_out_of_call_slots_keeps_the_events_it_ran() {
     host.shutdown().await;
 }
 
-/// A batch writes its handlers' outbox rows in as few `obx_api.emit_each` statements as the
+/// A batch writes its handlers' outbox rows in as few `obx_api.emit_calls` statements as the
 /// per-call limits allow (it wrote one `obx_api.emit` statement per event). Ten events of one
-/// batch each emit a follow-up, with `limits.max_emits_per_call` 4, which the database holds
-/// each statement to: the batch commits, its rows in three statements, in the events' order,
-/// each row with its own event's trace context.
+/// batch each emit a follow-up, with `limits.max_emits_per_call` 4: the batch commits, its
+/// rows in the events' order, each row with its own event's trace context.
 #[tokio::test]
 async fn a_batch_writes_its_handlers_outbox_rows_together_within_the_per_call_limits() {
     let broker = broker();
@@ -1710,6 +1709,38 @@ async fn a_batch_writes_its_handlers_outbox_rows_together_within_the_per_call_li
     assert_eq!(seqs, (0..10).collect::<Vec<_>>(), "the rows follow the events' order");
     let traces: std::collections::HashSet<&str> = rows.iter().map(|(_, t)| t.as_str()).collect();
     assert_eq!(traces.len(), 10, "each row carries its own event's trace: {rows:?}");
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}
+
+/// The database holds each call of a batch's outbox statement to the limits recorded for the
+/// plugin, not the statement as a whole. Here another host, whose `limits.max_emits_per_call`
+/// is 4, loaded the plugin last (the row is updated as it would have written it); this host's
+/// limit is the default, and it writes the ten follow-ups of one batch in one statement. The
+/// batch commits whole. The statement was refused before, and the ten ran one by one.
+#[tokio::test]
+async fn a_batch_commits_whole_when_another_host_recorded_smaller_limits() {
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.consumer.inbox_processors = 1;
+    })
+    .await;
+    let updated = host
+        .count(
+            "WITH u AS (UPDATE obx.plugin SET max_emits_per_call = 4 WHERE name = 'testbed' RETURNING 1) \
+             SELECT count(*) FROM u",
+        )
+        .await;
+    assert_eq!(updated, 1);
+    store_ten_inbox_events_emitting(&host, -1, Some("testbed.saga")).await;
+    await_ten_processed_once(&host).await;
+    assert_eq!(taken_with(&host, 0).await, 10, "one batch");
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE topic = 'testbed.saga'")
+            .await,
+        10
+    );
     assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
     host.shutdown().await;
 }

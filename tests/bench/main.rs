@@ -1006,7 +1006,7 @@ impl Round {
 
 /// Commands/s three ways, on one database: pgbench running the handler's SQL on the plugin's
 /// own login (the ceiling), the same logic as native Rust in the host's transaction shape
-/// (a plugin session, the outbox through `obx_api.emit_each`, the session cleared with the
+/// (a plugin session, the outbox through `obx_api.emit_calls`, the session cleared with the
 /// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
 /// them; relay and consumers off), in `rounds` interleaved rounds of `duration` each. On a
 /// shared machine a single run of each is as much luck as measure (pgbench alone has ranged
@@ -1132,7 +1132,7 @@ where
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /// pgbench, logged in as the plugin's role: BEGIN, the insert, the outbox row through
-/// `obx_api.emit_each`, COMMIT, each a prepared statement; the last two in one round trip (a
+/// `obx_api.emit_calls`, COMMIT, each a prepared statement; the last two in one round trip (a
 /// pipeline), as the host sends its outbox rows with the commit.
 async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, duration: Duration) -> Result<f64> {
     let payload = r#"{"orderId":"o","customerId":"c-1","amount":"10","status":"pending","items":[]}"#;
@@ -1141,7 +1141,7 @@ async fn run_pgbench(env: &Env, url: &str, login: (&str, &str), clients: usize, 
          INSERT INTO orders (id, customer_id, amount, status, items) VALUES (gen_random_uuid(), 'c-1', 10, 'pending', '[]') \
          ON CONFLICT (id) DO NOTHING RETURNING id;\n\
          \\startpipeline\n\
-         SELECT obx_api.emit_each('0.1.0', ARRAY['{TRACEPARENT}'], ARRAY[gen_random_uuid()], ARRAY['Order'], \
+         SELECT obx_api.emit_calls('0.1.0', ARRAY[1], ARRAY['{TRACEPARENT}'], ARRAY[gen_random_uuid()], ARRAY['Order'], \
          ARRAY['o'], ARRAY['OrderCreated'], ARRAY['{payload}'], ARRAY['order.events'], ARRAY['o']);\n\
          COMMIT;\n\
          \\endpipeline\n"
@@ -1580,7 +1580,7 @@ const NOTES: &str = "
 ## Reading the figures
 
 - **Commands.** pgbench runs the handler's statements on the plugin's own login (`BEGIN`,
-  the insert, then the outbox row through `obx_api.emit_each` and `COMMIT` in one round trip, a
+  the insert, then the outbox row through `obx_api.emit_calls` and `COMMIT` in one round trip, a
   pipeline, as the host sends them) with nothing else: that is what Postgres itself can do
   here. The native handler adds what the host does around any
   handler: a pool, JSON in and out, the session's check and clearing with the commit. The

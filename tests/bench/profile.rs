@@ -165,7 +165,7 @@ const STAGES: &[Stage] = &[
     ),
     stage("host: async runtime, other", false, &[""]),
     stage(
-        "Postgres: PL/pgSQL (obx_api.emit_each, the call's checks)",
+        "Postgres: PL/pgSQL (obx_api.emit_calls, the call's checks)",
         true,
         &["plpgsql"],
     ),

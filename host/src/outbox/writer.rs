@@ -1,5 +1,5 @@
 //! Writes calls' buffered events into the outbox, inside their transaction, through
-//! `obx_api.emit_each` (and `obx_api.emit_delayed` for delayed events): the call's session is the
+//! `obx_api.emit_calls` (and `obx_api.emit_delayed` for delayed events): the call's session is the
 //! plugin's own, which may not write the outbox itself. The functions name the plugin from the
 //! session's login, never from us.
 //!
@@ -21,40 +21,55 @@ pub struct CallRows<'a> {
 }
 
 /// What one statement may carry: the per-call limits (`limits.max_emits_per_call`,
-/// `limits.max_emit_bytes_per_call`) that `obx_api.emit_each` holds each of its calls to.
+/// `limits.max_emit_bytes_per_call`). `obx_api.emit_calls` holds each call of a statement to
+/// the limits recorded for the plugin, by whichever host loaded it last; these keep one
+/// statement's size within what one call may write.
 #[derive(Clone, Copy)]
 pub struct PerStatement {
     pub events: usize,
     pub payload_bytes: usize,
 }
 
+/// One `obx_api.emit_calls` statement in the making: its events, each with its trace context,
+/// and how many of them each of its calls made.
+#[derive(Default)]
+struct Statement<'a> {
+    events: Vec<(&'a str, &'a NewEvent)>,
+    calls: Vec<usize>,
+    bytes: usize,
+}
+
 /// Has `tx` insert the rows of `calls` at its commit, in order (so `id` follows emit order),
 /// with the emitting plugin (the session's) and version recorded on every row. The events
-/// published on commit go in as few `obx_api.emit_each` statements as `per_statement` allows
-/// (a batch of consumed events writes its handlers' rows together), a call's never split;
-/// each call's delayed events, if any, in an `obx_api.emit_delayed` of their own.
-/// `created_at` is the insert's own clock, taken just before the commit, so that
+/// published on commit go in as few `obx_api.emit_calls` statements as `per_statement` allows
+/// (a batch of consumed events writes its handlers' rows together), a call's never split, and
+/// each statement says where its calls begin and end, for the database to hold each to the
+/// per-call limits; each call's delayed events, if any, in an `obx_api.emit_delayed` of their
+/// own. `created_at` is the insert's own clock, taken just before the commit, so that
 /// commit-to-publish latency can be measured from it; a delayed event is due `delay_ms` after
 /// it. A refused event fails the commit, which then commits nothing.
 pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement: PerStatement) {
-    let mut statement: Vec<(&str, &NewEvent)> = Vec::new();
-    let (mut version, mut bytes) = ("", 0);
+    let mut statement = Statement::default();
+    let mut version = "";
     for call in calls {
         let now: Vec<&NewEvent> = call.events.iter().filter(|e| e.delay_ms == 0).collect();
+        if now.is_empty() {
+            continue;
+        }
         let call_bytes: usize = now.iter().map(|e| e.payload.len()).sum();
-        let full = statement.len() + now.len() > per_statement.events
-            || bytes + call_bytes > per_statement.payload_bytes
+        let full = statement.events.len() + now.len() > per_statement.events
+            || statement.bytes + call_bytes > per_statement.payload_bytes
             || call.version != version;
-        if full && !statement.is_empty() {
-            tx.write_at_commit(emit_each(version, &statement));
-            (statement, bytes) = (Vec::new(), 0);
+        if full && !statement.events.is_empty() {
+            tx.write_at_commit(emit_calls(version, &std::mem::take(&mut statement)));
         }
         version = call.version;
-        bytes += call_bytes;
-        statement.extend(now.into_iter().map(|e| (call.traceparent, e)));
+        statement.bytes += call_bytes;
+        statement.calls.push(now.len());
+        statement.events.extend(now.into_iter().map(|e| (call.traceparent, e)));
     }
-    if !statement.is_empty() {
-        tx.write_at_commit(emit_each(version, &statement));
+    if !statement.events.is_empty() {
+        tx.write_at_commit(emit_calls(version, &statement));
     }
     for call in calls {
         let delayed: Vec<&NewEvent> = call.events.iter().filter(|e| e.delay_ms > 0).collect();
@@ -64,12 +79,16 @@ pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement
     }
 }
 
-/// `SELECT obx_api.emit_each(…)` for `events`, each with its trace context: the fields as the
-/// parallel arrays the function takes.
-fn emit_each(version: &str, events: &[(&str, &NewEvent)]) -> String {
+/// `SELECT obx_api.emit_calls(…)` for `statement`: its calls' sizes, then the events, each with
+/// its trace context, as the parallel arrays the function takes.
+fn emit_calls(version: &str, statement: &Statement<'_>) -> String {
+    let events = &statement.events;
     let mut sql = String::with_capacity(capacity(events.iter().map(|(_, e)| *e)));
-    sql.push_str("SELECT obx_api.emit_each(");
+    sql.push_str("SELECT obx_api.emit_calls(");
     push_text(&mut sql, version);
+    sql.push_str(", ");
+    let sizes: Vec<String> = statement.calls.iter().map(usize::to_string).collect();
+    push_array(&mut sql, sizes.iter().map(String::as_str), "pg_catalog.int4");
     sql.push_str(", ");
     push_array(&mut sql, events.iter().map(|(t, _)| *t), "pg_catalog.text");
     push_columns(&mut sql, events.iter().map(|(_, e)| *e));
