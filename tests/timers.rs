@@ -197,6 +197,62 @@ async fn a_timer_whose_handler_breaks_a_deferred_constraint_is_parked_alone() {
     host.shutdown().await;
 }
 
+/// A batch whose commit the database refuses charges none of its timers: they fire again one
+/// per transaction, and only the timer whose work cannot commit is charged. Here one timer of
+/// six emits an event over the payload limit that another host, with smaller limits, recorded
+/// for the plugin when it loaded it last (the row is updated as it would have written it):
+/// this host lets the event through, the database refuses it at the commit. Before, each
+/// failed commit charged all six, and with two attempts all six were parked, none fired.
+#[tokio::test]
+async fn a_timer_batch_whose_commit_is_refused_charges_only_the_timer_at_fault() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 2).await;
+    let updated = host
+        .count(
+            "WITH u AS (UPDATE obx.plugin SET max_payload_bytes = 1000 WHERE name = 'testbed' RETURNING 1) \
+             SELECT count(*) FROM u",
+        )
+        .await;
+    assert_eq!(updated, 1);
+    let big =
+        json!({ "name": "t", "key": "big", "delay_ms": 60_000, "payload": { "emit": { "payload_bytes": 2000 } } });
+    assert_eq!(schedule(&host, big).await, 200);
+    for i in 0..5 {
+        let body = json!({ "name": "t", "key": format!("good{i}"), "delay_ms": 60_000 });
+        assert_eq!(schedule(&host, body).await, 200);
+    }
+    // Due together, so that one batch takes all six.
+    let due = host
+        .count("WITH u AS (UPDATE obx.timer SET due_at = now() RETURNING 1) SELECT count(*) FROM u")
+        .await;
+    assert_eq!(due, 6);
+    eventually(Duration::from_secs(20), "the good timers fire", || async {
+        fired(&host).await == 5
+    })
+    .await;
+    eventually(Duration::from_secs(20), "the big timer is parked", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE key = 'big' AND parked_at IS NOT NULL AND attempts = 2")
+            .await
+            == 1
+    })
+    .await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.timer").await,
+        1,
+        "only the big timer is left"
+    );
+    let error: String = sqlx::query_scalar("SELECT last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert!(error.contains("over the limit of 1000"), "{error}");
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.timers_fired WHERE key = 'big'")
+            .await,
+        0
+    );
+    host.shutdown().await;
+}
+
 /// Each plugin gets a batch in turn: a plugin with thousands of timers due does not hold up
 /// another's. Both have a backlog, so that whichever comes first in the registry's order, a
 /// loop that served one plugin until it had nothing due would be caught.

@@ -18,9 +18,11 @@
 //! A batch commits after [`BATCH_BUDGET`] whatever is left, and each plugin's loop waits
 //! only for its own batches: no plugin's backlog, slow handlers or failures hold up
 //! another's timers. A plugin whose batch fails (its session cannot be opened, its commit
-//! fails) waits alone, with backoff. A deferred constraint is checked after each handler, as its own failure; a
-//! commit that fails anyway counts as a failed attempt of each timer of the batch, so that no
-//! timer fires for ever. A call refused for want of a call slot (`Busy`) is not the timer's
+//! fails) waits alone, with backoff. A deferred constraint is checked after each handler, as
+//! its own failure. A batch of several timers whose commit fails anyway (a row the database
+//! refused at the commit) charges none of them: they fire again one per transaction, and a
+//! single timer's commit that fails counts as its failed attempt, so that no timer fires for
+//! ever and no timer pays for another's. A call refused for want of a call slot (`Busy`) is not the timer's
 //! fault and is not counted; a batch that could fire none for want of one backs off too.
 //!
 //! A host killed mid-firing leaves the transaction uncommitted: the row lock goes with its
@@ -209,6 +211,8 @@ impl TimerService {
     async fn fire_plugin(self: Arc<Self>, name: String) {
         let mut shutdown = self.shutdown.clone();
         let (mut failures, mut held) = (0u32, 0u32);
+        // Batches of one timer still to fire, after a batch whose commit failed.
+        let mut alone = 0usize;
         loop {
             if *shutdown.borrow() {
                 return;
@@ -216,12 +220,23 @@ impl TimerService {
             let Some(plugin) = self.registry.get(&name).filter(|p| p.timed()) else {
                 return;
             };
-            let wait = match self.fire_batch(&plugin).await {
-                Ok(true) => {
+            let take = if alone > 0 {
+                1
+            } else {
+                self.config.batch_max_events.max(1)
+            };
+            let fired = self.fire_batch(&plugin, take).await;
+            alone = alone.saturating_sub(1);
+            let wait = match fired {
+                Ok(Batch::Fired) => {
                     (failures, held) = (0, 0);
                     continue;
                 }
-                Ok(false) => {
+                Ok(Batch::Split(timers)) => {
+                    alone = timers;
+                    continue;
+                }
+                Ok(Batch::Idle) => {
                     failures = 0;
                     self.until_due(&name, &mut held).await
                 }
@@ -269,19 +284,19 @@ impl TimerService {
         }
     }
 
-    /// Fires a batch of the plugin's due timers, earliest first, that no other session holds:
-    /// one transaction, each timer behind a savepoint, for at most [`BATCH_BUDGET`]. Returns
-    /// whether there were any.
-    async fn fire_batch(&self, plugin: &Plugin) -> anyhow::Result<bool> {
+    /// Fires a batch of at most `take` of the plugin's due timers, earliest first, that no
+    /// other session holds: one transaction, each timer behind a savepoint, for at most
+    /// [`BATCH_BUDGET`].
+    async fn fire_batch(&self, plugin: &Plugin, take: u32) -> anyhow::Result<Batch> {
         let name = &plugin.manifest.name;
         let mut tx = self.dispatcher.sessions.begin(name).await?;
         let due: Vec<Due> = sqlx::query_as("SELECT * FROM obx_api.timer_take_traced($1)")
-            .bind(self.config.batch_max_events.max(1) as i32)
+            .bind(take as i32)
             .fetch_all(&mut *tx)
             .await?;
         if due.is_empty() {
             tx.rollback().await?;
-            return Ok(false);
+            return Ok(Batch::Idle);
         }
         let started = Instant::now();
         let mut emitted = Vec::with_capacity(due.len());
@@ -307,8 +322,15 @@ impl TimerService {
             }
         }
         if let Err(e) = self.dispatcher.commit_events(tx, &emitted).await {
-            // What the batch's handlers did is gone with it: each of them counts as failed, or
-            // a plugin whose commits always fail would fire the same timers for ever.
+            if done.len() > 1 {
+                // Which timer's work the commit refused cannot be told: none is charged, and
+                // each fires again in a transaction of its own.
+                tracing::warn!(plugin = %name, timers = done.len(), error = %e,
+                    "a batch of timers could not commit; they fire again one at a time");
+                return Ok(Batch::Split(done.len()));
+            }
+            // What the handler did is gone with the batch: it counts as failed, or a plugin
+            // whose commits always fail would fire the same timer for ever.
             let mut fresh = self.dispatcher.sessions.begin(name).await?;
             let error = format!("the transaction could not commit: {e}");
             for due in &done {
@@ -324,7 +346,7 @@ impl TimerService {
             // same timers again at once.
             return Err(crate::inbox::handling::NoCallSlot.into());
         }
-        Ok(true)
+        Ok(Batch::Fired)
     }
 
     /// Runs one timer's handler behind a savepoint of `tx`.
@@ -426,6 +448,17 @@ impl TimerService {
             .await?;
         Ok(())
     }
+}
+
+/// How a batch of timers ended.
+enum Batch {
+    /// It took due timers and committed: each fired, or its failure was recorded.
+    Fired,
+    /// No timer was due.
+    Idle,
+    /// Its commit failed with this many timers done: none was charged, and the next batches
+    /// take one timer each, so that only the timer whose work cannot commit is.
+    Split(usize),
 }
 
 /// How one timer's firing ended, with the batch's transaction.

@@ -559,8 +559,9 @@ fn schedule(p: &Value) -> Result<String, HandlerError> {
 }
 
 /// Records each firing; fails when the payload says `fail`, schedules a follow-up timer when
-/// it names `then` (`{"then": {"name", "delay_ms", "cancel_first"}}`), and breaks a deferred
-/// constraint when it says `defer_violation`.
+/// it names `then` (`{"then": {"name", "delay_ms", "cancel_first"}}`), emits when it holds
+/// `emit` (the `emit` command's arguments), and breaks a deferred constraint when it says
+/// `defer_violation`.
 impl obx_sdk::TimerGuest for Testbed {
     fn handle_timer(timer: obx_sdk::Timer) -> Result<(), HandlerError> {
         let payload: Value = serde_json::from_str(&timer.payload).unwrap_or(Value::Null);
@@ -584,6 +585,10 @@ impl obx_sdk::TimerGuest for Testbed {
                 obx_sdk::cancel_timer(name, &timer.key)?;
             }
             obx_sdk::schedule_timer(name, &timer.key, then["delay_ms"].as_u64().unwrap_or(0), "{}")?;
+        }
+        // Emits as the `emit` command does, with these arguments.
+        if let Some(args) = payload.get("emit") {
+            emit_many(&timer.key, args)?;
         }
         // Breaks a deferred constraint: the handler returns `ok`, the violation shows later.
         if payload["defer_violation"].as_bool() == Some(true) {
