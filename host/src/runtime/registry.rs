@@ -42,20 +42,30 @@ struct FileState {
     retry: bool,
 }
 
-/// What a file's size and modification time say of it: when either changes, it is loaded
-/// again (and its bytes decide whether anything changed).
+/// What a file's metadata say of it: when any of it changes, it is loaded again (and its
+/// bytes decide whether anything changed). Size and modification time alone miss a
+/// replacement that keeps both (`cp -p`, a build that pins timestamps); a file renamed into
+/// place has another inode, and a file written in place a new status-change time, which
+/// no one can set back.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Fingerprint {
     len: u64,
     modified: Option<std::time::SystemTime>,
+    device: u64,
+    inode: u64,
+    changed: (i64, i64),
 }
 
 impl Fingerprint {
     fn of(path: &Path) -> Option<Fingerprint> {
+        use std::os::unix::fs::MetadataExt as _;
         let meta = std::fs::metadata(path).ok()?;
         Some(Fingerprint {
             len: meta.len(),
             modified: meta.modified().ok(),
+            device: meta.dev(),
+            inode: meta.ino(),
+            changed: (meta.ctime(), meta.ctime_nsec()),
         })
     }
 }
@@ -295,5 +305,35 @@ impl Registry {
             .collect();
         out.sort_by(|a, b| a.file.cmp(&b.file));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fingerprint;
+
+    /// A file replaced by another of the same size and modification time (here renamed into
+    /// place, as a deploy does, with its time copied) is seen as changed. Before, a rescan
+    /// took it for the file it had loaded.
+    #[test]
+    fn a_replacement_with_the_same_size_and_time_is_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plugin.wasm");
+        std::fs::write(&path, b"version 1").unwrap();
+        let time = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let before = Fingerprint::of(&path).unwrap();
+        let next = dir.path().join(".plugin.wasm.tmp");
+        std::fs::write(&next, b"version 2").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&next)
+            .unwrap()
+            .set_modified(time)
+            .unwrap();
+        std::fs::rename(&next, &path).unwrap();
+        let after = Fingerprint::of(&path).unwrap();
+        assert_eq!((after.len, after.modified), (before.len, before.modified));
+        assert_ne!(after, before);
+        assert_eq!(Fingerprint::of(&path), Some(after), "stable while the file stays");
     }
 }
