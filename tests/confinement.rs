@@ -675,8 +675,8 @@ async fn emit_refuses_each_bad_event_with_its_reason_and_writes_nothing() {
 /// statement (a batch's rows go in one): with four events and 10 payload bytes a call, two
 /// calls of three events pass, one call of six does not, nor a call over the bytes, though
 /// calls within them pass together; and call
-/// sizes that do not add up to the events are refused once they matter. Nothing refused is
-/// written.
+/// sizes that do not add up to the events are refused once they matter, and arrays with
+/// other bounds than 1 are counted as written. Nothing refused is written.
 #[tokio::test]
 async fn emit_calls_holds_each_call_of_a_statement_to_the_limits() {
     let host = spawn_host(&["testbed"]).await;
@@ -725,6 +725,16 @@ async fn emit_calls_holds_each_call_of_a_statement_to_the_limits() {
             }
         }
     }
+    // Arrays whose bounds do not start at 1 are counted as they are written: the first
+    // payload, over the bytes of a call, is found in its call all the same.
+    let sql = emit_calls_sql(&[big, small, small], &[1, 2], &["tp"; 3]).replace(
+        r#"ARRAY['"abcdefghij"', '{}', '{}']::text[]"#,
+        r#"'[0:2]={"\"abcdefghij\"","{}","{}"}'::text[]"#,
+    );
+    assert!(sql.contains("[0:2]"), "{sql}");
+    let e = sqlx::raw_sql(&sql).execute(&mut s).await.expect_err(&sql);
+    let d = e.as_database_error().expect("a database error");
+    assert_eq!(d.code().as_deref(), Some("54000"), "{d}");
     host.shutdown().await;
 }
 

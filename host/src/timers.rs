@@ -19,10 +19,11 @@
 //! only for its own batches: no plugin's backlog, slow handlers or failures hold up
 //! another's timers. A plugin whose batch fails (its session cannot be opened, its commit
 //! fails) waits alone, with backoff. A deferred constraint is checked after each handler, as
-//! its own failure. A batch of several timers whose commit fails anyway (a row the database
-//! refused at the commit) charges none of them: they fire again one per transaction, and a
-//! single timer's commit that fails counts as its failed attempt, so that no timer fires for
-//! ever and no timer pays for another's. A call refused for want of a call slot (`Busy`) is not the timer's
+//! its own failure. A batch of several timers whose commit the database refuses anyway (a row
+//! written at the commit) charges none of them: they fire again one per transaction, and a
+//! single timer's refused commit counts as its failed attempt, so that no timer fires for
+//! ever and no timer pays for another's. A commit that fails for the database's or the
+//! connection's sake charges none, and the loop backs off. A call refused for want of a call slot (`Busy`) is not the timer's
 //! fault and is not counted; a batch that could fire none for want of one backs off too.
 //!
 //! A host killed mid-firing leaves the transaction uncommitted: the row lock goes with its
@@ -301,7 +302,7 @@ impl TimerService {
         let started = Instant::now();
         let mut emitted = Vec::with_capacity(due.len());
         let mut done = Vec::with_capacity(due.len());
-        let mut busy = false;
+        let (mut busy, mut ran) = (false, 0);
         for due in due {
             if started.elapsed() > BATCH_BUDGET || *self.shutdown.borrow() {
                 // The rest stay due; the commit below releases their rows.
@@ -320,26 +321,35 @@ impl TimerService {
                     break;
                 }
             }
+            ran += 1;
         }
         if let Err(e) = self.dispatcher.commit_events(tx, &emitted).await {
-            if done.len() > 1 {
-                // Which timer's work the commit refused cannot be told: none is charged, and
-                // each fires again in a transaction of its own.
-                tracing::warn!(plugin = %name, timers = done.len(), error = %e,
-                    "a batch of timers could not commit; they fire again one at a time");
-                return Ok(Batch::Split(done.len()));
+            if !crate::db::refused_for_content(&e) {
+                // The database or the connection failed, not the timers: none is charged,
+                // and the loop backs off.
+                return Err(e.into());
             }
-            // What the handler did is gone with the batch: it counts as failed, or a plugin
-            // whose commits always fail would fire the same timer for ever.
+            if ran > 1 {
+                // Which timer's work the commit refused cannot be told: none is charged
+                // (the failures recorded in the batch went with it), and each of the timers
+                // it ran fires again in a transaction of its own.
+                tracing::warn!(plugin = %name, timers = ran, error = %e,
+                    "a batch of timers could not commit; they fire again one at a time");
+                return Ok(Batch::Split(ran));
+            }
+            // The one timer's work cannot commit: it counts as failed, or it would fire for
+            // ever. Its own retry delay keeps it from firing again at once; the loop goes on.
             let mut fresh = self.dispatcher.sessions.begin(name).await?;
             let error = format!("the transaction could not commit: {e}");
             for due in &done {
                 let attempt = attempt_of(due);
                 let park = attempt >= self.config.max_attempts;
+                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
+                    error = %error, "a timer's work could not commit");
                 self.record_failure(&mut fresh, due, attempt, &error, park).await?;
             }
             fresh.commit().await?;
-            return Err(e.into());
+            return Ok(Batch::Fired);
         }
         if busy && done.is_empty() {
             // The host is overloaded: the loop backs off and says so, rather than take the
@@ -456,8 +466,8 @@ enum Batch {
     Fired,
     /// No timer was due.
     Idle,
-    /// Its commit failed with this many timers done: none was charged, and the next batches
-    /// take one timer each, so that only the timer whose work cannot commit is.
+    /// The database refused its commit, with this many timers run: none was charged, and the
+    /// next batches take one timer each, so that only the timer whose work cannot commit is.
     Split(usize),
 }
 
