@@ -337,6 +337,11 @@ impl TimerService {
                     "a batch of timers could not commit; they fire again one at a time");
                 return Ok(Batch::Split(ran));
             }
+            if done.is_empty() {
+                // Nothing the handlers did was in it (the one timer failed, and its failure
+                // went with the commit): the loop backs off.
+                return Err(e.into());
+            }
             // The one timer's work cannot commit: it counts as failed, or it would fire for
             // ever. Its own retry delay keeps it from firing again at once; the loop goes on.
             let mut fresh = self.dispatcher.sessions.begin(name).await?;
