@@ -23,8 +23,9 @@
 //! written at the commit) charges none of them: they fire again one per transaction, and a
 //! single timer's refused commit counts as its failed attempt, so that no timer fires for
 //! ever and no timer pays for another's. A commit that fails for the database's or the
-//! connection's sake charges none, and the loop backs off. A call refused for want of a call slot (`Busy`) is not the timer's
-//! fault and is not counted; a batch that could fire none for want of one backs off too.
+//! connection's sake charges none, and the loop backs off. A call refused for want of a call
+//! slot (`Busy`) is not the timer's fault and is not counted; a batch that could fire none
+//! for want of one backs off too.
 //!
 //! A host killed mid-firing leaves the transaction uncommitted: the row lock goes with its
 //! session, and the timer fires again on a living host.
@@ -324,43 +325,49 @@ impl TimerService {
             ran += 1;
         }
         if let Err(e) = self.dispatcher.commit_events(tx, &emitted).await {
-            if !crate::db::refused_for_content(&e) {
-                // The database or the connection failed, not the timers: none is charged,
-                // and the loop backs off.
-                return Err(e.into());
-            }
-            if ran > 1 {
-                // Which timer's work the commit refused cannot be told: none is charged
-                // (the failures recorded in the batch went with it), and each of the timers
-                // it ran fires again in a transaction of its own.
-                tracing::warn!(plugin = %name, timers = ran, error = %e,
-                    "a batch of timers could not commit; they fire again one at a time");
-                return Ok(Batch::Split(ran));
-            }
-            if done.is_empty() {
-                // Nothing the handlers did was in it (the one timer failed, and its failure
-                // went with the commit): the loop backs off.
-                return Err(e.into());
-            }
-            // The one timer's work cannot commit: it counts as failed, or it would fire for
-            // ever. Its own retry delay keeps it from firing again at once; the loop goes on.
-            let mut fresh = self.dispatcher.sessions.begin(name).await?;
-            let error = format!("the transaction could not commit: {e}");
-            for due in &done {
-                let attempt = attempt_of(due);
-                let park = attempt >= self.config.max_attempts;
-                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
-                    error = %error, "a timer's work could not commit");
-                self.record_failure(&mut fresh, due, attempt, &error, park).await?;
-            }
-            fresh.commit().await?;
-            return Ok(Batch::Fired);
+            return self.commit_failed(name, e, ran, &done).await;
         }
         if busy && done.is_empty() {
             // The host is overloaded: the loop backs off and says so, rather than take the
             // same timers again at once.
             return Err(crate::inbox::handling::NoCallSlot.into());
         }
+        Ok(Batch::Fired)
+    }
+
+    /// What a batch whose commit failed (`e`), having run `ran` timers of which `done` did
+    /// their work, comes to.
+    async fn commit_failed(&self, name: &str, e: sqlx::Error, ran: usize, done: &[Due]) -> anyhow::Result<Batch> {
+        if !crate::db::refused_for_content(&e) {
+            // The database or the connection failed, not the timers: none is charged, and
+            // the loop backs off.
+            return Err(e.into());
+        }
+        if ran > 1 {
+            // Which timer's work the commit refused cannot be told: none is charged (the
+            // failures recorded in the batch went with it), and each of the timers it ran
+            // fires again in a transaction of its own.
+            tracing::warn!(plugin = %name, timers = ran, error = %e,
+                "a batch of timers could not commit; they fire again one at a time");
+            return Ok(Batch::Split(ran));
+        }
+        if done.is_empty() {
+            // Nothing the handlers did was in it (the one timer failed, and its failure went
+            // with the commit): the loop backs off.
+            return Err(e.into());
+        }
+        // The one timer's work cannot commit: it counts as failed, or it would fire for ever.
+        // Its own retry delay keeps it from firing again at once; the loop goes on.
+        let mut fresh = self.dispatcher.sessions.begin(name).await?;
+        let error = format!("the transaction could not commit: {e}");
+        for due in done {
+            let attempt = attempt_of(due);
+            let park = attempt >= self.config.max_attempts;
+            tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
+                error = %error, "a timer's work could not commit");
+            self.record_failure(&mut fresh, due, attempt, &error, park).await?;
+        }
+        fresh.commit().await?;
         Ok(Batch::Fired)
     }
 
