@@ -49,6 +49,14 @@ struct Statement<'a> {
 /// commit-to-publish latency can be measured from it; a delayed event is due `delay_ms` after
 /// it. A refused event fails the commit, which then commits nothing.
 pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement: PerStatement) {
+    for statement in statements(calls, per_statement) {
+        tx.write_at_commit(statement);
+    }
+}
+
+/// The statements [`insert_at_commit`] has run, in order.
+fn statements(calls: &[CallRows<'_>], per_statement: PerStatement) -> Vec<String> {
+    let mut out = Vec::new();
     let mut statement = Statement::default();
     let mut version = "";
     for call in calls {
@@ -61,7 +69,7 @@ pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement
             || statement.bytes + call_bytes > per_statement.payload_bytes
             || call.version != version;
         if full && !statement.events.is_empty() {
-            tx.write_at_commit(emit_calls(version, &std::mem::take(&mut statement)));
+            out.push(emit_calls(version, &std::mem::take(&mut statement)));
         }
         version = call.version;
         statement.bytes += call_bytes;
@@ -69,14 +77,15 @@ pub fn insert_at_commit(tx: &mut PluginTx, calls: &[CallRows<'_>], per_statement
         statement.events.extend(now.into_iter().map(|e| (call.traceparent, e)));
     }
     if !statement.events.is_empty() {
-        tx.write_at_commit(emit_calls(version, &statement));
+        out.push(emit_calls(version, &statement));
     }
     for call in calls {
         let delayed: Vec<&NewEvent> = call.events.iter().filter(|e| e.delay_ms > 0).collect();
         if !delayed.is_empty() {
-            tx.write_at_commit(emit_delayed(call, &delayed));
+            out.push(emit_delayed(call, &delayed));
         }
     }
+    out
 }
 
 /// `SELECT obx_api.emit_calls(…)` for `statement`: its calls' sizes, then the events, each with
@@ -135,5 +144,106 @@ fn push_columns<'a>(sql: &mut String, events: impl Iterator<Item = &'a NewEvent>
     for column in columns {
         sql.push_str(", ");
         push_array(sql, events.clone().map(column), "pg_catalog.text");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(payload_bytes: usize, delay_ms: u64) -> NewEvent {
+        NewEvent {
+            event_id: uuid::Uuid::now_v7(),
+            aggregate_type: "Item".into(),
+            aggregate_id: "i".into(),
+            event_type: "ItemEmitted".into(),
+            payload: format!("\"{}\"", "x".repeat(payload_bytes.saturating_sub(2))),
+            topic: "t".into(),
+            partition_key: "k".into(),
+            delay_ms,
+        }
+    }
+
+    /// The calls' sizes each `emit_calls` statement names, in order.
+    fn sizes(statements: &[String]) -> Vec<String> {
+        statements
+            .iter()
+            .filter(|s| s.starts_with("SELECT obx_api.emit_calls("))
+            .map(|s| {
+                // The version, then the sizes: `emit_calls(E'1', E'{"1","1"}'::pg_catalog.int4[], …`.
+                let start = s.find("E'{").expect("the sizes array") + 3;
+                s[start..start + s[start..].find('}').expect("its end")].to_string()
+            })
+            .collect()
+    }
+
+    /// A batch's calls go into as few statements as the per-statement bounds allow, in order,
+    /// each call whole, each statement naming its calls' sizes; a change of plugin version
+    /// starts a statement, a call over the bounds goes alone, delayed events go apart.
+    #[test]
+    fn calls_are_grouped_whole_within_the_bounds() {
+        let one: Vec<Vec<NewEvent>> = (0..10).map(|_| vec![event(10, 0)]).collect();
+        let calls: Vec<CallRows<'_>> = one
+            .iter()
+            .map(|events| CallRows {
+                version: "1",
+                traceparent: "tp",
+                events,
+            })
+            .collect();
+        let bound = PerStatement {
+            events: 4,
+            payload_bytes: 1 << 20,
+        };
+        assert_eq!(
+            sizes(&statements(&calls, bound)),
+            ["\"1\",\"1\",\"1\",\"1\"", "\"1\",\"1\",\"1\",\"1\"", "\"1\",\"1\""]
+        );
+
+        let (three, five, two) = (vec![event(10, 0); 3], vec![event(10, 0); 5], vec![event(10, 0); 2]);
+        let delayed = vec![event(10, 0), event(10, 5000)];
+        let calls = [
+            CallRows {
+                version: "1",
+                traceparent: "a",
+                events: &three,
+            },
+            CallRows {
+                version: "1",
+                traceparent: "b",
+                events: &five,
+            },
+            CallRows {
+                version: "2",
+                traceparent: "c",
+                events: &two,
+            },
+            CallRows {
+                version: "2",
+                traceparent: "d",
+                events: &delayed,
+            },
+        ];
+        let written = statements(&calls, bound);
+        // Three then five would be eight: the five go alone, over the bound as one call.
+        assert_eq!(sizes(&written), ["\"3\"", "\"5\"", "\"2\",\"1\""]);
+        assert!(written[3].starts_with("SELECT obx_api.emit_delayed("), "{written:?}");
+        assert_eq!(written.len(), 4);
+
+        let bytes = PerStatement {
+            events: 1000,
+            payload_bytes: 25,
+        };
+        assert_eq!(sizes(&statements(&calls[..1], bytes)), ["\"3\""]);
+        let small: Vec<Vec<NewEvent>> = (0..3).map(|_| vec![event(10, 0)]).collect();
+        let calls: Vec<CallRows<'_>> = small
+            .iter()
+            .map(|events| CallRows {
+                version: "1",
+                traceparent: "tp",
+                events,
+            })
+            .collect();
+        assert_eq!(sizes(&statements(&calls, bytes)), ["\"1\",\"1\"", "\"1\""]);
     }
 }
