@@ -544,6 +544,19 @@ impl TestHost {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// Sets plugin `name`'s emit limits in its registry row (`set`: e.g.
+    /// `max_emits_per_call = 4`), as another host with other `limits` writes them when it
+    /// loads the plugin: the database holds this host's emits to them.
+    pub async fn limits_recorded_by_another_host(&self, name: &str, set: &str) {
+        let updated = sqlx::query(&format!("UPDATE obx.plugin SET {set} WHERE name = $1"))
+            .bind(name)
+            .execute(&self.db)
+            .await
+            .unwrap_or_else(|e| panic!("{set}: {e}"))
+            .rows_affected();
+        assert_eq!(updated, 1, "plugin {name} is registered");
+    }
+
     /// Transactions committed in this host's database so far, as `pg_stat_database` counts
     /// them, read after 1.5 s: backends report their counts when idle, at most once a second.
     pub async fn commits_so_far(&self) -> i64 {

@@ -164,6 +164,18 @@ mod tests {
         }
     }
 
+    /// A call for each of `events`, all of version 1.
+    fn calls_of(events: &[Vec<NewEvent>]) -> Vec<CallRows<'_>> {
+        events
+            .iter()
+            .map(|events| CallRows {
+                version: "1",
+                traceparent: "tp",
+                events,
+            })
+            .collect()
+    }
+
     /// The calls' sizes each `emit_calls` statement names, in order.
     fn sizes(statements: &[String]) -> Vec<String> {
         statements
@@ -183,14 +195,7 @@ mod tests {
     #[test]
     fn calls_are_grouped_whole_within_the_bounds() {
         let one: Vec<Vec<NewEvent>> = (0..10).map(|_| vec![event(10, 0)]).collect();
-        let calls: Vec<CallRows<'_>> = one
-            .iter()
-            .map(|events| CallRows {
-                version: "1",
-                traceparent: "tp",
-                events,
-            })
-            .collect();
+        let calls = calls_of(&one);
         let bound = PerStatement {
             events: 4,
             payload_bytes: 1 << 20,
@@ -236,14 +241,7 @@ mod tests {
         };
         assert_eq!(sizes(&statements(&calls[..1], bytes)), ["\"3\""]);
         let small: Vec<Vec<NewEvent>> = (0..3).map(|_| vec![event(10, 0)]).collect();
-        let calls: Vec<CallRows<'_>> = small
-            .iter()
-            .map(|events| CallRows {
-                version: "1",
-                traceparent: "tp",
-                events,
-            })
-            .collect();
+        let calls = calls_of(&small);
         assert_eq!(sizes(&statements(&calls, bytes)), ["\"1\",\"1\"", "\"1\""]);
     }
 }
