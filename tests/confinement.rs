@@ -383,7 +383,7 @@ async fn hostile_migrations_are_refused_or_run_harmlessly() {
     let limits = host.host.runtime.limits().clone();
     let prepare = |m: Manifest| {
         let (pool, sessions, limits) = (host.db.clone(), host.host.sessions.clone(), limits.clone());
-        async move { obx::db::plugin_schema::prepare(&pool, &sessions, &m, &limits).await }
+        async move { obx::runtime::plugin_schema::prepare(&pool, &sessions, &m, &limits).await }
     };
 
     // Refused by the policy, before anything runs.
@@ -465,7 +465,7 @@ async fn plugin_names_that_could_redirect_a_search_path_are_refused() {
     sqlx::raw_sql("CREATE SCHEMA squatted").execute(&host.db).await.unwrap();
     for name in [HOST_USER, role.as_str(), "squatted"] {
         let m = manifest(name, &[]);
-        let e = obx::db::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
+        let e = obx::runtime::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
             .await
             .unwrap_err()
             .to_string();
@@ -1150,7 +1150,7 @@ async fn a_plugin_may_not_declare_another_plugins_events() {
         event_type: "OrderCreated".into(),
     }];
     m.validate(limits.max_statement_bytes).unwrap();
-    let e = obx::db::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
+    let e = obx::runtime::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
         .await
         .unwrap_err()
         .to_string();

@@ -20,6 +20,7 @@ use crate::inbox::supervisor::Supervisor;
 use crate::kafka::Brokers;
 use crate::outbox::relay::{self, Relay};
 use crate::retention;
+use crate::runtime::cache::CacheSettings;
 use crate::runtime::registry::Registry;
 use crate::runtime::{watcher, Runtime};
 use crate::signal::Signal;
@@ -78,7 +79,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
     }
     let sessions = Arc::new(Sessions::new(&url, pool.clone(), &config.database)?);
 
-    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_settings())?;
+    let runtime = Runtime::new(config.limits.clone(), CacheSettings::of(&config.plugins))?;
     let registry = Arc::new(Registry::new(sessions.clone()));
     load_plugin_dir(&runtime, &pool, &registry, &config.plugins.dir).await?;
 
@@ -127,7 +128,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
     // are loaded and unloaded), and the inbox processors. The watcher stops with them.
     let (stop_consumers, consumers_stopped) = watch::channel(false);
     let mut consumers = Vec::new();
-    let lag = Arc::new(crate::telemetry::ConsumerLag::default());
+    let lag = Arc::new(crate::inbox::ConsumerLag::default());
     if config.plugins.watch {
         consumers.push(watcher::spawn(
             &config.plugins,

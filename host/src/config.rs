@@ -284,16 +284,17 @@ impl PluginsConfig {
         if !self.cache {
             return None;
         }
-        self.cache_dir.clone().or_else(crate::runtime::cache::default_dir)
+        self.cache_dir.clone().or_else(default_cache_dir)
     }
+}
 
-    /// The compile cache's settings, if caching is on.
-    pub fn cache_settings(&self) -> Option<crate::runtime::cache::CacheSettings> {
-        self.cache_dir().map(|dir| crate::runtime::cache::CacheSettings {
-            dir,
-            max_bytes: self.cache_max_bytes,
-        })
-    }
+/// Where the compile cache lives unless `plugins.cache_dir` says: `$XDG_CACHE_HOME/obx/components`,
+/// or `~/.cache/obx/components`.
+fn default_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("obx").join("components"))
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -404,6 +405,13 @@ impl Partitioner {
     }
 }
 
+/// librdkafka's default `message.max.bytes`.
+pub const DEFAULT_MESSAGE_MAX_BYTES: usize = 1_000_000;
+
+/// Room a message needs besides its payload: the key and each header are at most 1 KiB
+/// (see `outbox::RawEvent::validate`), plus the record's framing.
+pub const MESSAGE_OVERHEAD_BYTES: usize = 8 * 1024;
+
 impl KafkaConfig {
     /// The largest message the producer will send: `message.max.bytes` from the properties,
     /// or librdkafka's default.
@@ -411,7 +419,7 @@ impl KafkaConfig {
         self.properties
             .get("message.max.bytes")
             .and_then(|v| v.expose().trim().parse().ok())
-            .unwrap_or(crate::kafka::DEFAULT_MESSAGE_MAX_BYTES)
+            .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES)
     }
 }
 
@@ -822,14 +830,14 @@ impl Config {
             return invalid("limits.max_payload_bytes", "must be greater than 0");
         }
         let producer_max = self.kafka.producer_max_message_bytes();
-        if l.max_payload_bytes + crate::kafka::MESSAGE_OVERHEAD_BYTES > producer_max {
+        if l.max_payload_bytes + MESSAGE_OVERHEAD_BYTES > producer_max {
             return invalid(
                 "limits.max_payload_bytes",
                 &format!(
                     "must leave {} bytes for the key and headers within the producer's \
                      message.max.bytes ({producer_max}): at most {}",
-                    crate::kafka::MESSAGE_OVERHEAD_BYTES,
-                    producer_max.saturating_sub(crate::kafka::MESSAGE_OVERHEAD_BYTES)
+                    MESSAGE_OVERHEAD_BYTES,
+                    producer_max.saturating_sub(MESSAGE_OVERHEAD_BYTES)
                 ),
             );
         }

@@ -24,6 +24,7 @@ use crate::db::embedded::EmbeddedPostgres;
 use crate::db::sessions::Sessions;
 use crate::dispatch::CommandError;
 use crate::runtime::bindings::guest;
+use crate::runtime::cache::CacheSettings;
 use crate::runtime::{loader, CallError, Plugin, Runtime};
 
 /// One rule, and whether the component keeps it.
@@ -55,7 +56,7 @@ impl Check {
 pub async fn run(file: &Path, config: &Config) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let runtime = Runtime::new(config.limits.clone(), config.plugins.cache_settings())?;
+    let runtime = Runtime::new(config.limits.clone(), CacheSettings::of(&config.plugins))?;
     let plugin = match loader::load(&runtime, bytes).await {
         Ok(p) => {
             let m = &p.manifest;
@@ -92,7 +93,7 @@ async fn check_with_database(
     checks: &mut Vec<Check>,
 ) -> Result<()> {
     let sessions = &scratch.sessions;
-    match crate::db::plugin_schema::prepare(&scratch.pool, sessions, &plugin.manifest, runtime.limits()).await {
+    match crate::runtime::plugin_schema::prepare(&scratch.pool, sessions, &plugin.manifest, runtime.limits()).await {
         Ok(()) => checks.push(Check::pass(
             "migrations apply to an empty schema",
             format!("{} applied", plugin.manifest.migrations.len()),

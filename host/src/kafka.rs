@@ -12,13 +12,6 @@ use rdkafka::producer::DefaultProducerContext;
 
 use crate::config::KafkaConfig;
 
-/// librdkafka's default `message.max.bytes`.
-pub const DEFAULT_MESSAGE_MAX_BYTES: usize = 1_000_000;
-
-/// Room a message needs besides its payload: the key and each header are at most 1 KiB
-/// (see `outbox::RawEvent::validate`), plus the record's framing.
-pub const MESSAGE_OVERHEAD_BYTES: usize = 8 * 1024;
-
 /// The brokers a host talks to.
 pub struct Brokers {
     /// `host:port,...`

@@ -6,6 +6,8 @@
 
 pub mod api;
 pub mod app;
+#[cfg(test)]
+mod architecture;
 pub mod catalog;
 pub mod cli;
 pub mod config;

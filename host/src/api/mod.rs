@@ -37,7 +37,7 @@ pub struct AppState {
     /// False until plugins are loaded, and again once shutdown begins.
     pub ready: Arc<AtomicBool>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
-    pub lag: Arc<crate::telemetry::ConsumerLag>,
+    pub lag: Arc<crate::inbox::ConsumerLag>,
     /// For replays through the admin API: the host's brokers and Kafka settings.
     pub brokers: Arc<crate::kafka::Brokers>,
     pub kafka: crate::config::KafkaConfig,

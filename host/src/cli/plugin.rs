@@ -6,6 +6,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 
 use crate::config::Config;
+use crate::runtime::cache::CacheSettings;
+use crate::runtime::Runtime;
 
 pub(super) async fn plugin_test(config: Option<PathBuf>, file: PathBuf, json: bool) -> Result<ExitCode> {
     let config = Config::load(config.as_deref())?;
@@ -59,7 +61,7 @@ pub(super) async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: b
     let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
     // Offline: no database, no broker. It shares the host's compile cache, so a second check
     // of a file is quick.
-    let runtime = crate::runtime::Runtime::new(config.limits, config.plugins.cache_settings())?;
+    let runtime = Runtime::new(config.limits, CacheSettings::of(&config.plugins))?;
     let started = std::time::Instant::now();
     match crate::runtime::loader::load(&runtime, bytes).await {
         Ok(plugin) => {

@@ -1,6 +1,7 @@
-//! Postgres: the host's connections and schema (`migrations/`), each plugin's role, schema
-//! and migrations ([`plugin_schema`]), the sessions plugins run on ([`sessions`]), and the
-//! constants of the host's writes at their commits ([`literal`]).
+//! Postgres: the host's connections and schema (`migrations/`), plugins' login roles
+//! ([`login`]), the sessions plugins run on ([`sessions`]), and the constants of the host's
+//! writes at their commits ([`literal`]). Each plugin's schema and migrations are prepared
+//! by `runtime::plugin_schema`, which builds on these.
 //!
 //! Invariants:
 //! * Host connections pin `search_path` to `obx`: no user or schema name can redirect the
@@ -13,7 +14,6 @@ pub mod embedded;
 pub mod literal;
 pub mod locks;
 pub mod login;
-pub mod plugin_schema;
 pub mod scram;
 pub mod sessions;
 

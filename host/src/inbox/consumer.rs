@@ -33,7 +33,7 @@ use crate::runtime::registry::Registry;
 use crate::signal::Signal;
 
 pub struct Consumer {
-    pub lag: Arc<crate::telemetry::ConsumerLag>,
+    pub lag: Arc<crate::inbox::ConsumerLag>,
     pub plugin: String,
     pub group: String,
     pub dispatcher: Arc<Dispatcher>,
@@ -291,7 +291,7 @@ impl Consumer {
 /// Publishes each partition's consumer lag (`obx_consumer_lag`) from librdkafka's statistics.
 pub struct LagReporter {
     plugin: String,
-    lag: Arc<crate::telemetry::ConsumerLag>,
+    lag: Arc<crate::inbox::ConsumerLag>,
 }
 
 impl rdkafka::ClientContext for LagReporter {

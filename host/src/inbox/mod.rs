@@ -10,6 +10,7 @@
 //! * `handling` — the one path from a taken event to its handler's commit, both modes: a
 //!   savepoint per event, the first failure ends the run, outbox rows just before the commit.
 //! * [`dlq`] — the dead-letter table: list, retry, discard.
+//! * [`ConsumerLag`] — the lag librdkafka last reported per partition, for `/v1/status`.
 //!
 //! Invariants:
 //! * A handler's effects, its outbox rows and the record that the event was processed
@@ -24,11 +25,14 @@
 pub mod consumer;
 pub mod dlq;
 pub(crate) mod handling;
+mod lag;
 mod lease;
 mod leased;
 pub mod processor;
 mod stuck;
 pub mod supervisor;
+
+pub use self::lag::ConsumerLag;
 
 use std::collections::BTreeMap;
 

@@ -18,7 +18,7 @@ use crate::runtime::registry::Registry;
 use crate::signal::Signal;
 
 pub struct Supervisor {
-    pub lag: Arc<crate::telemetry::ConsumerLag>,
+    pub lag: Arc<crate::inbox::ConsumerLag>,
     pub service: String,
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,

@@ -33,6 +33,16 @@ pub struct CacheSettings {
     pub max_bytes: u64,
 }
 
+impl CacheSettings {
+    /// The cache `plugins` configures, if caching is on.
+    pub fn of(plugins: &crate::config::PluginsConfig) -> Option<CacheSettings> {
+        plugins.cache_dir().map(|dir| CacheSettings {
+            dir,
+            max_bytes: plugins.cache_max_bytes,
+        })
+    }
+}
+
 pub struct CompileCache {
     dir: PathBuf,
     engine_key: String,
@@ -141,14 +151,6 @@ impl CompileCache {
         }
         Ok(())
     }
-}
-
-/// `$XDG_CACHE_HOME/obx/components`, or `~/.cache/obx/components`.
-pub fn default_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("obx").join("components"))
 }
 
 #[cfg(test)]

@@ -105,7 +105,7 @@ impl From<guest::Manifest> for Manifest {
 }
 
 /// Schema names a plugin may not take, besides those starting with `pg_` or `obx_`. The
-/// database adds its own: existing roles and schemas (see `db::plugin_schema`).
+/// database adds its own: existing roles and schemas (see `plugin_schema`).
 const RESERVED_NAMES: &[&str] = &["obx", "public", "information_schema", "postgres"];
 
 /// Most events a manifest may declare.

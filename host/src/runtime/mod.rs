@@ -19,6 +19,7 @@ pub mod contract;
 mod host;
 pub mod loader;
 pub mod manifest;
+pub mod plugin_schema;
 pub mod registry;
 mod state;
 pub mod watcher;

@@ -15,8 +15,8 @@ use sha2::Digest;
 use sqlx::PgPool;
 
 use super::manifest::Subscription;
+use super::plugin_schema;
 use super::{loader, Plugin, Runtime};
-use crate::db::plugin_schema;
 use crate::db::sessions::Sessions;
 use crate::signal::Signal;
 

@@ -19,10 +19,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 use sqlx::{Executor, PgConnection, PgPool};
 
-use super::login::{self, Login};
-use super::sessions::{SessionError, Sessions};
+use super::Manifest;
 use crate::config::Limits;
-use crate::runtime::Manifest;
+use crate::db::login::{self, Login};
+use crate::db::sessions::{SessionError, Sessions};
 
 /// Why a plugin's schema could not be prepared. The message is meant for the operator.
 #[derive(Debug, thiserror::Error)]
@@ -134,7 +134,7 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         format!("GRANT USAGE ON SCHEMA obx_api TO \"{role}\""),
         format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA obx_api TO \"{role}\""),
     ] {
-        super::ddl(&mut tx, &ddl).await?;
+        crate::db::ddl(&mut tx, &ddl).await?;
     }
     let (topics, types): (Vec<&str>, Vec<&str>) = manifest
         .emits
@@ -266,13 +266,13 @@ async fn configure_role(
     // A plugin may set defaults for its own role (Postgres lets every role): only ours stay.
     if in_database {
         let db = current_database(conn).await?.replace('"', "\"\"");
-        super::ddl(conn, &format!("ALTER ROLE \"{role}\" IN DATABASE \"{db}\" RESET ALL")).await?;
+        crate::db::ddl(conn, &format!("ALTER ROLE \"{role}\" IN DATABASE \"{db}\" RESET ALL")).await?;
     }
     for entry in &current {
         let name = entry.split('=').next().unwrap_or_default();
         let ours = settings.iter().any(|(n, _)| *n == name);
         if !ours && !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
-            super::ddl(conn, &format!("ALTER ROLE \"{role}\" RESET \"{name}\"")).await?;
+            crate::db::ddl(conn, &format!("ALTER ROLE \"{role}\" RESET \"{name}\"")).await?;
         }
     }
     for (name, value) in settings {
