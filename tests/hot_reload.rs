@@ -3,6 +3,7 @@
 //! follow the new manifest.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -411,4 +412,63 @@ async fn a_plugin_directory_given_by_a_relative_path_is_hot_reloaded() {
     deploy(&host, "hotswap_v2", "hotswap.wasm");
     serving(&host, "2.0.0").await;
     host.shutdown().await;
+}
+
+/// A compile cannot be stopped, so one that runs past `limits.compile_timeout` goes on after
+/// its load failed. Such compiles hold the host's compile slots (one per CPU) until they end:
+/// more files that compile for too long wait for a slot, fail as busy, and are tried again at
+/// a rescan, rather than each adding a compiling thread and its memory. Before, every such
+/// file started a compile of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn compiles_past_their_timeout_hold_the_compile_slots_and_do_not_pile_up() {
+    let host = spawn_host_with(&[], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+        c.plugins.rescan_interval = Duration::from_secs(1);
+        c.plugins.cache = false;
+        // The Python component takes seconds to compile.
+        c.limits.compile_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let runtime = host.host.runtime.clone();
+    let slots = runtime.compile_slots();
+    let files: Vec<String> = (0..slots + 2).map(|i| format!("slow_{i}.wasm")).collect();
+    for file in &files {
+        deploy(&host, "shipping", file);
+    }
+    let most = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (runtime, most) = (runtime.clone(), most.clone());
+        tokio::spawn(async move {
+            loop {
+                most.fetch_max(runtime.compiles_running(), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    eventually(Duration::from_secs(30), "files failed as busy", || async {
+        failed_with(&host, &files, "no compile slot").await >= 2
+    })
+    .await;
+    // Each file is tried again once the slots free, and compiles in turn.
+    eventually(
+        Duration::from_secs(120),
+        "every file compiled past its timeout",
+        || async { failed_with(&host, &files, "compiling took longer").await == files.len() },
+    )
+    .await;
+    sampler.abort();
+    let most = most.load(Ordering::Relaxed);
+    assert_eq!(most, slots, "compiles ran at once, with {slots} slots");
+    host.shutdown().await;
+}
+
+/// How many of `files` last failed with an error that says `what`.
+async fn failed_with(host: &TestHost, files: &[String], what: &str) -> usize {
+    let mut failed = 0;
+    for file in files {
+        failed += status(host, file).await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains(what)) as usize;
+    }
+    failed
 }

@@ -34,12 +34,25 @@ pub enum LoadError {
     Compile(String),
     #[error("compiling took longer than {0:?} (limits.compile_timeout)")]
     CompileTimeout(std::time::Duration),
+    #[error(
+        "no compile slot freed within {waited:?}: all {slots} (one per CPU) are taken, by compiles \
+         that ran past limits.compile_timeout and cannot be stopped; a watching host tries the \
+         file again at its next rescan"
+    )]
+    CompilersBusy { waited: std::time::Duration, slots: usize },
     #[error("the component does not fit the obx:plugin/plugin@0.2 world: {0}")]
     WrongWorld(String),
     #[error("reading the manifest failed: {0}")]
     Manifest(String),
     #[error("the manifest is invalid: {0}")]
     InvalidManifest(String),
+}
+
+impl LoadError {
+    /// Whether loading the same bytes again may succeed.
+    pub fn may_pass(&self) -> bool {
+        matches!(self, LoadError::CompilersBusy { .. })
+    }
 }
 
 /// Reads a component file, but never more than `limit` bytes of it: a larger file (an
@@ -76,10 +89,16 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
     check_header(&bytes)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
 
+    let Some(slot) = runtime.compile_slot(limits.compile_timeout).await else {
+        let (waited, slots) = (limits.compile_timeout, runtime.compile_slots());
+        return Err(LoadError::CompilersBusy { waited, slots });
+    };
     let compile = {
         let runtime = runtime.clone();
         let sha256 = sha256.clone();
         tokio::task::spawn_blocking(move || {
+            // Held until the compile ends, past the timeout below if need be.
+            let _slot = slot;
             let cache = runtime.cache.as_ref();
             if let Some(component) = cache.and_then(|c| c.load(&runtime.engine, &sha256)) {
                 metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);

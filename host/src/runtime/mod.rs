@@ -59,6 +59,11 @@ pub struct Runtime {
     linker: Linker<CallState>,
     limits: Arc<Limits>,
     slots: Semaphore,
+    /// One per CPU: compiles that may run at once. Cranelift cannot be stopped, so a compile
+    /// that ran past `limits.compile_timeout` runs on, holding its slot until it ends; without
+    /// the bound, each new file that compiles for too long added a thread and its memory.
+    compiles: Arc<Semaphore>,
+    compile_slots: usize,
     cache: Option<cache::CompileCache>,
 }
 
@@ -291,13 +296,34 @@ impl Runtime {
             },
             None => None,
         };
+        let compile_slots = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(Arc::new(Runtime {
             engine,
             linker,
             limits: Arc::new(limits),
             slots: Semaphore::new(slots as usize),
+            compiles: Arc::new(Semaphore::new(compile_slots)),
+            compile_slots,
             cache,
         }))
+    }
+
+    /// A compile slot, if one frees within `wait`. The compile holds it until it ends.
+    pub(crate) async fn compile_slot(&self, wait: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        tokio::time::timeout(wait, self.compiles.clone().acquire_owned())
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// How many compiles may run at once.
+    pub fn compile_slots(&self) -> usize {
+        self.compile_slots
+    }
+
+    /// How many compiles run now, those past their timeout included.
+    pub fn compiles_running(&self) -> usize {
+        self.compile_slots - self.compiles.available_permits()
     }
 
     pub fn engine(&self) -> &Engine {

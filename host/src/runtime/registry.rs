@@ -71,7 +71,8 @@ impl Fingerprint {
 }
 
 /// Why a file was not loaded, and whether loading it again as it is may succeed: the
-/// database failed, or was busy with another host's work on the same plugin.
+/// database failed, or was busy with another host's work on the same plugin, or every
+/// compile slot was taken.
 struct LoadError {
     message: String,
     may_pass: bool,
@@ -213,9 +214,10 @@ impl Registry {
                 return Ok(current);
             }
         }
-        let plugin = loader::load(runtime, bytes)
-            .await
-            .map_err(|e| LoadError::fixed(e.to_string()))?;
+        let plugin = loader::load(runtime, bytes).await.map_err(|e| LoadError {
+            may_pass: e.may_pass(),
+            message: e.to_string(),
+        })?;
         let name = plugin.manifest.name.clone();
         // Another file provides this plugin: refuse, unless that file is gone (a rename).
         if let Some(other) = self
