@@ -252,20 +252,22 @@ async fn calls_in_attribute_notation_temporary_objects_and_monster_statements_ar
     host.shutdown().await;
 }
 
+/// The host process's resident memory now.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
 /// A query's result is bounded in bytes as well as rows, counted as rows arrive: the host
 /// stops reading, abandons the session, and does not grow past the cap.
 #[tokio::test]
 async fn a_huge_result_set_is_cut_off_without_growing_the_host() {
     let host = spawn_host_with(&["testbed"], |c| c.limits.max_result_bytes = 8 * 1024 * 1024).await;
-    let rss = || {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let kb: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap();
-        kb * 1024
-    };
     let before = rss();
     // 400 MB of rows, 1 MB each.
     let (status, reason) = run(
@@ -288,6 +290,36 @@ async fn a_huge_result_set_is_cut_off_without_growing_the_host() {
     })
     .await;
     let (status, body) = run(&host, "SELECT count(*) FROM generate_series(1, 10)", json!([])).await;
+    assert_eq!(status, 200, "{body}");
+    host.shutdown().await;
+}
+
+/// The result's bound counts what the host holds, not only what arrives: a `numeric` of a
+/// few bytes on the wire is 131,072 digits as text, and a NULL is no bytes at all. Before,
+/// this query's 100 KB came in as 1.3 GB of text.
+#[tokio::test]
+async fn a_result_that_is_small_on_the_wire_and_large_as_values_is_cut_off() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.max_result_bytes = 8 * 1024 * 1024).await;
+    let before = rss();
+    let columns = vec!["n"; 100].join(", ");
+    let (status, reason) = run(
+        &host,
+        &format!("SELECT {columns} FROM (SELECT rpad('1', 131000, '0')::numeric AS n) t, generate_series(1, 100)"),
+        json!([]),
+    )
+    .await;
+    assert_eq!((status, reason.as_str()), (409, Some("limit")));
+    let nulls = vec!["NULL::int"; 1000].join(", ");
+    let (status, reason) = run(
+        &host,
+        &format!("SELECT {nulls} FROM generate_series(1, 10000)"),
+        json!([]),
+    )
+    .await;
+    assert_eq!((status, reason.as_str()), (409, Some("limit")));
+    let grown = rss().saturating_sub(before);
+    assert!(grown < 96 * 1024 * 1024, "the host grew by {} MB", grown / 1024 / 1024);
+    let (status, body) = run(&host, "SELECT 12.50::numeric, NULL::int", json!([])).await;
     assert_eq!(status, 200, "{body}");
     host.shutdown().await;
 }

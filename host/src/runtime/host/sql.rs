@@ -89,25 +89,36 @@ impl CallState {
                 let mut rows = Vec::new();
                 let mut columns = Vec::new();
                 let mut failed = None;
-                let mut bytes = 0usize;
+                // Bytes as received, and as held once converted (which can be far more: a
+                // numeric of a few bytes on the wire may be 131,072 digits as text, and a NULL
+                // is no bytes there). Both are bounded.
+                let (mut received, mut held) = (0usize, 0usize);
                 loop {
                     match stream.try_next().await {
                         Ok(Some(row)) => {
-                            bytes += row_bytes(&row);
-                            if rows.len() == max_rows || bytes > max_bytes {
-                                failed = Some(SqlError::Limit(format!(
-                                    "the query returned more than {max_rows} rows or {max_bytes} bytes; \
-                                     add a LIMIT or select less"
-                                )));
-                                overflowed = true;
-                                break;
-                            }
-                            if columns.is_empty() {
-                                columns = describe_columns(&row);
-                            }
-                            match convert_row(&row) {
-                                Ok(values) => rows.push(values),
-                                Err(m) => {
+                            received += row_bytes(&row);
+                            let converted = if rows.len() == max_rows || received > max_bytes {
+                                Err(RowError::Limit)
+                            } else {
+                                convert_row(&row, max_bytes - held.min(max_bytes))
+                            };
+                            match converted {
+                                Ok((values, bytes)) => {
+                                    if columns.is_empty() {
+                                        columns = describe_columns(&row);
+                                    }
+                                    held += bytes;
+                                    rows.push(values);
+                                }
+                                Err(RowError::Limit) => {
+                                    failed = Some(SqlError::Limit(format!(
+                                        "the query returned more than {max_rows} rows or {max_bytes} bytes; \
+                                         add a LIMIT or select less"
+                                    )));
+                                    overflowed = true;
+                                    break;
+                                }
+                                Err(RowError::Invalid(m)) => {
                                     failed = Some(SqlError::Invalid(m));
                                     break;
                                 }
@@ -286,13 +297,50 @@ fn describe_columns(row: &PgRow) -> Vec<wit::Column> {
         .collect()
 }
 
-fn convert_row(row: &PgRow) -> Result<Vec<SqlValue>, String> {
-    (0..row.len())
-        .map(|i| {
-            let value = row.try_get_raw(i).map_err(|e| e.to_string())?;
-            convert_value(value).map_err(|e| format!("column {} ({}): {e}", i + 1, row.columns()[i].name()))
-        })
-        .collect()
+/// Why a row was not converted.
+enum RowError {
+    /// It would take more than the room left for the result.
+    Limit,
+    Invalid(String),
+}
+
+/// A row's values, and the bytes they hold, if that is at most `room`. A numeric's text is
+/// measured before it is written.
+fn convert_row(row: &PgRow, room: usize) -> Result<(Vec<SqlValue>, usize), RowError> {
+    let mut values = Vec::with_capacity(row.len());
+    let mut held = 0usize;
+    for i in 0..row.len() {
+        let invalid = |e: String| RowError::Invalid(format!("column {} ({}): {e}", i + 1, row.columns()[i].name()));
+        let value = row.try_get_raw(i).map_err(|e| invalid(e.to_string()))?;
+        if value.type_info().name() == "NUMERIC" && !value.is_null() {
+            let text = numeric_text_len(value.as_bytes().map_err(|e| invalid(e.to_string()))?);
+            if held + text.map_err(invalid)? > room {
+                return Err(RowError::Limit);
+            }
+        }
+        let value = convert_value(value).map_err(invalid)?;
+        held += held_bytes(&value);
+        if held > room {
+            return Err(RowError::Limit);
+        }
+        values.push(value);
+    }
+    Ok((values, held))
+}
+
+/// The bytes a converted value takes in the host's memory: itself, and its text or bytes.
+fn held_bytes(value: &SqlValue) -> usize {
+    let heap = match value {
+        SqlValue::Text(s)
+        | SqlValue::Json(s)
+        | SqlValue::Uuid(s)
+        | SqlValue::Timestamp(s)
+        | SqlValue::Date(s)
+        | SqlValue::Numeric(s) => s.len(),
+        SqlValue::Bytes(b) => b.len(),
+        SqlValue::Null | SqlValue::Boolean(_) | SqlValue::Int(_) | SqlValue::Float(_) => 0,
+    };
+    std::mem::size_of::<SqlValue>() + heap
 }
 
 fn decode<'r, T: Decode<'r, Postgres>>(value: PgValueRef<'r>) -> Result<T, String> {
@@ -334,6 +382,22 @@ fn convert_value(value: PgValueRef<'_>) -> Result<SqlValue, String> {
             }
         },
     })
+}
+
+/// At most how long [`numeric_text`] makes this binary `numeric`: four digits per base-10000
+/// digit before the point (a few bytes on the wire can stand for 131,072 digits), and the
+/// display scale after it.
+fn numeric_text_len(bytes: &[u8]) -> Result<usize, String> {
+    let word = |i: usize| bytes.get(i * 2..i * 2 + 2).map(|b| i16::from_be_bytes([b[0], b[1]]));
+    let (Some(weight), Some(dscale)) = (word(1), word(3)) else {
+        return Err("truncated numeric".into());
+    };
+    let integral = if weight < 0 { 1 } else { 4 * (weight as usize + 1) };
+    let fraction = match dscale as u16 as usize {
+        0 => 0,
+        scale => scale + 1,
+    };
+    Ok((1 + integral + fraction).max("-Infinity".len()))
 }
 
 /// Renders Postgres's binary `numeric` as Postgres renders it as text, keeping its display
@@ -391,4 +455,42 @@ fn numeric_text(bytes: &[u8]) -> Result<String, String> {
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{numeric_text, numeric_text_len};
+
+    /// Postgres's binary `numeric`: digit count, weight, sign, display scale, base-10000 digits.
+    fn numeric(weight: i16, sign: u16, dscale: u16, digits: &[i16]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for word in [digits.len() as i16, weight, sign as i16, dscale as i16]
+            .iter()
+            .chain(digits)
+        {
+            bytes.extend_from_slice(&word.to_be_bytes());
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_numeric_is_measured_before_it_is_written_and_never_longer() {
+        let cases = [
+            (numeric(0, 0, 2, &[12, 5000]), "12.50"),
+            (numeric(-1, 0x4000, 3, &[5]), "-0.000"),
+            (numeric(1, 0, 0, &[1, 0]), "10000"),
+            (numeric(0, 0xC000, 0, &[]), "NaN"),
+            (numeric(0, 0xF000, 0, &[]), "-Infinity"),
+        ];
+        for (bytes, text) in &cases {
+            assert_eq!(numeric_text(bytes).unwrap(), *text);
+            assert!(numeric_text_len(bytes).unwrap() >= text.len(), "{text}");
+        }
+        // 131,072 digits from 10 bytes: the size is known without writing them.
+        let huge = numeric(32767, 0, 0, &[1]);
+        let len = numeric_text_len(&huge).unwrap();
+        assert!(len >= 131_068, "{len}");
+        assert_eq!(numeric_text(&huge).unwrap().len(), 131_069);
+        assert!(numeric_text_len(&[0, 1]).is_err());
+    }
 }
