@@ -294,6 +294,24 @@ async fn a_manifest_whose_commands_all_alias_one_string_is_refused_within_a_boun
     host.shutdown().await;
 }
 
+/// A `describe` that sleeps is blocked on the host, where the epoch deadline never fires:
+/// the load is bounded all the same, fails as past the deadline, and the watcher goes on to
+/// the next file. Before, the load waited for the hour, and the watcher with it.
+#[tokio::test]
+async fn a_describe_that_sleeps_fails_at_the_deadline_and_the_watcher_goes_on() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap_sleepy", "sleepy.wasm");
+    eventually(Duration::from_secs(20), "the sleeping describe refused", || async {
+        status(&host, "sleepy.wasm").await["last_error"].is_string()
+    })
+    .await;
+    let error = status(&host, "sleepy.wasm").await["last_error"].clone();
+    assert!(error.as_str().unwrap().contains("deadline"), "{error}");
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    host.shutdown().await;
+}
+
 /// A file far over `limits.max_component_bytes` (here a sparse file of 4 GiB) is refused as
 /// too large without being read: it was read whole first, into the host's memory.
 #[tokio::test]

@@ -344,6 +344,7 @@ fn build_plugins(root: &Path) -> Result<PathBuf> {
         ("broken-migration", "hotswap_broken"),
         ("bad-manifest", "hotswap_bad_manifest"),
         ("amplified-manifest", "hotswap_amplified"),
+        ("sleepy-describe", "hotswap_sleepy"),
     ] {
         let variant_target = target.join("variants").join(feature);
         run(cargo()

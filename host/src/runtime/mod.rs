@@ -401,8 +401,14 @@ impl Runtime {
             let instance = exports.pre.instantiate_async(&mut store).await?;
             let handler = exports.handler.load(&mut store, &instance)?;
             handler.call_describe(&mut store).await
-        }
-        .await;
+        };
+        // The epoch stops Wasm at the deadline, but not a guest blocked on the host, as in a
+        // WASI sleep: this bound does. Without it such a `describe` held the load, and the
+        // watcher behind it (or the host's start), for ever.
+        let Ok(outcome) = tokio::time::timeout(self.limits.call_deadline + Duration::from_secs(1), outcome).await
+        else {
+            return Err(CallError::Trapped(Trap::Deadline));
+        };
         match outcome {
             Ok(manifest) => {
                 let state = store.data_mut();

@@ -49,6 +49,9 @@ fn aliased(n: usize, bytes: usize) -> Vec<String> {
 
 impl Guest for Hotswap {
     fn describe() -> Manifest {
+        if cfg!(feature = "sleepy-describe") {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
         let subscriptions = if cfg!(feature = "v2") {
             vec![Subscription {
                 topic: "hotswap.events".into(),
