@@ -1100,6 +1100,74 @@ async fn a_value_with_a_nul_escape_is_quarantined_and_the_partition_moves_on() {
     host.shutdown().await;
 }
 
+/// JSON that Postgres's `jsonb` refuses all the same (a lone surrogate escape, an exponent
+/// past `numeric`'s range) is quarantined with Postgres's reason, in either mode, and the
+/// partition moves on: the host's own check lets such a value through, and storing it (in
+/// the inbox, or at parking) failed at every try, holding the partition for ever.
+#[tokio::test]
+async fn a_value_postgres_refuses_is_quarantined_and_the_partition_moves_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    for topic in [INBOX, DEDUP] {
+        for value in [r#"{"s": "a\udc00b"}"#, r#"{"n": 1e1000000}"#] {
+            let id = uuid::Uuid::new_v4().to_string();
+            let headers = vec![("eventId", id.as_bytes()), ("eventType", b"Thing".as_slice())];
+            send_raw(&p, &host.topic(topic), Some(b"k"), Some(value.as_bytes()), &headers).await;
+        }
+    }
+    let inbox = send_event(&p, &host.topic(INBOX), "k", "Thing", &json!({ "seq": 1 })).await;
+    let dedup = send_event(&p, &host.topic(DEDUP), "k", "Thing", &json!({ "seq": 1 })).await;
+    eventually(
+        Duration::from_secs(30),
+        "the good events after the bad ones",
+        || async { effects(&host, inbox).await == 1 && effects(&host, dedup).await == 1 },
+    )
+    .await;
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM obx.quarantine")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(reasons.len(), 4, "{reasons:?}");
+    assert!(
+        reasons.iter().all(|r| r.starts_with("Postgres refused the event")),
+        "{reasons:?}"
+    );
+    host.shutdown().await;
+}
+
+/// A handler's error is the plugin's words: one with a NUL (which no Postgres text holds) or
+/// of any length is recorded, cut to 4 KiB, and the event parked, in either mode. Before,
+/// recording it failed at every try: in dedup mode the partition stopped, in inbox mode the
+/// event ran again and again, uncounted.
+#[tokio::test]
+async fn a_handler_error_with_a_nul_and_no_end_is_recorded_and_the_event_parked() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 2).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let failing = json!({ "fail": { "bytes": 1_000_000 } });
+    let inbox = send_event(&p, &host.topic(INBOX), "k", "Thing", &failing).await;
+    let dedup = send_event(&p, &host.topic(DEDUP), "k", "Thing", &failing).await;
+    eventually(Duration::from_secs(30), "both events parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 2
+    })
+    .await;
+    let errors: Vec<(uuid::Uuid, String)> = sqlx::query_as("SELECT event_id, error FROM obx.dead_letter")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    for (id, error) in &errors {
+        assert!([inbox, dedup].contains(id), "{id}");
+        assert!(error.contains("the handler's words\u{FFFD}w"), "{}", &error[..100]);
+        assert!(
+            error.len() < 5000 && error.ends_with("(1000000 bytes)"),
+            "{} bytes",
+            error.len()
+        );
+    }
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_event_handler_emits_follow_ups_through_the_outbox() {
     let host = spawn_host(&["testbed"]).await;

@@ -688,18 +688,37 @@ fn count_outcome<T>(
     metrics::histogram!(histogram, "plugin" => plugin.manifest.name.clone()).record(started.elapsed().as_secs_f64());
 }
 
-/// A call error in words, for the operator.
+/// A call error in words, for the operator: the log, `last_error` and the dead-letter table.
+/// What the guest wrote is cut at [`MAX_GUEST_TEXT`] bytes.
 fn describe_call_error(e: &CallError) -> String {
     match e {
-        CallError::Handler(HandlerError::Rejected(r)) => format!("rejected ({}): {}", r.code, r.message),
-        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {m}"),
-        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {m}"),
+        CallError::Handler(HandlerError::Rejected(r)) => {
+            format!("rejected ({}): {}", clipped(&r.code), clipped(&r.message))
+        }
+        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {}", clipped(m)),
+        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {}", clipped(m)),
         CallError::Aborted(m) => format!("transaction aborted: {m}"),
         CallError::Trapped(Trap::Deadline) => "ran past its deadline".into(),
         CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {m}"),
         CallError::Trapped(Trap::Fault(m)) => format!("trapped: {m}"),
         CallError::Busy => "no free call slot".into(),
     }
+}
+
+/// The most of a guest's error text the host keeps: a plugin chooses its length, and each
+/// failed attempt of an event logs it and may store it.
+const MAX_GUEST_TEXT: usize = 4096;
+
+/// `text`, cut at [`MAX_GUEST_TEXT`] bytes (on a character boundary) with its length said.
+fn clipped(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= MAX_GUEST_TEXT {
+        return text.into();
+    }
+    let mut end = MAX_GUEST_TEXT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len()).into()
 }
 
 fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {

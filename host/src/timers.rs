@@ -463,7 +463,7 @@ impl TimerService {
             .bind(&due.key)
             .bind(due.generation)
             .bind(attempt as i32)
-            .bind(error)
+            .bind(crate::db::storable(error))
             .bind(park)
             .bind(retry.as_millis() as i64)
             .execute(&mut **tx)

@@ -57,6 +57,27 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether Postgres refused a value sent to it (SQLSTATE class 22, data exception, as `jsonb`
+/// refuses a lone surrogate escape or a number past `numeric`'s range; 54001, a value nested
+/// too deep to parse): sent again, it is refused again.
+pub fn refused_value(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    db.code().is_some_and(|code| code.starts_with("22") || code == "54001")
+}
+
+/// `text` as a Postgres `text` or `jsonb` string can hold it: a NUL, which neither can,
+/// becomes U+FFFD. For what the host records of others' words: a handler's error, a
+/// message's headers.
+pub fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}").into()
+    } else {
+        text.into()
+    }
+}
+
 /// Whether work that failed with `e` may succeed if tried again as it is: the connection or
 /// the server failed (an I/O error, the pool, SQLSTATE class 08, an administrator's
 /// shutdown or crash recovery: 57P01–57P03, too many connections: 53300), or it lost to

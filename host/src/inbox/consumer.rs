@@ -26,6 +26,7 @@ use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
 use super::{backoff, Incoming};
 use crate::config::{Assignment, ConsumerConfig, KafkaConfig};
+use crate::db::storable;
 use crate::dispatch::Dispatcher;
 use crate::kafka::Brokers;
 use crate::runtime::manifest::DeliveryMode;
@@ -637,11 +638,11 @@ impl Lane {
         }
         match subscription.mode {
             DeliveryMode::Inbox => {
-                let done = self.retry_db(DbStep::StoreInInbox(&event)).await;
+                let done = self.retry_db(DbStep::StoreInInbox(m, &event)).await;
                 self.inbox.notify();
                 done
             }
-            DeliveryMode::Dedup => self.handle_dedup(&event, first_failure).await,
+            DeliveryMode::Dedup => self.handle_dedup(m, &event, first_failure).await,
         }
     }
 
@@ -649,13 +650,13 @@ impl Lane {
     /// `processed_event` row (through `obx_api.begin_events`), runs the handler and commits
     /// both. A second delivery finds the row and does nothing. `first_failure` is the
     /// failure of an attempt already made in a batch.
-    async fn handle_dedup(&self, event: &Incoming, first_failure: Option<Failure>) -> Done {
+    async fn handle_dedup(&self, m: &OwnedMessage, event: &Incoming, first_failure: Option<Failure>) -> Done {
         let started = std::time::Instant::now();
         let mut attempt = 1;
         let mut db_errors = 0;
         if let Some(failure) = first_failure {
             match self
-                .after_failure(event, attempt, &failure.error, failure.retriable)
+                .after_failure(m, event, attempt, &failure.error, failure.retriable)
                 .await
             {
                 Some(done) => return done,
@@ -673,12 +674,7 @@ impl Lane {
                 let (parked, fresh) = begin_events(&mut tx, &[event]).await?[0];
                 if parked {
                     tx.rollback().await?;
-                    // Wait behind the parked event of this key, in the inbox.
-                    let mut conn = self.pool().acquire().await?;
-                    store_in_inbox(&mut conn, &self.plugin, event).await?;
-                    self.inbox.notify();
-                    metrics::counter!("obx_consumer_parked_behind_total", "plugin" => self.plugin.clone()).increment(1);
-                    return Ok::<_, anyhow::Error>(Step::Done);
+                    return Ok::<_, anyhow::Error>(Step::ParkedBehind);
                 }
                 if !fresh {
                     tx.rollback().await?;
@@ -711,13 +707,20 @@ impl Lane {
                 }
             };
             match step.await {
+                Ok(Step::ParkedBehind) => {
+                    // Wait behind the parked event of this key, in the inbox.
+                    let done = self.retry_db(DbStep::StoreInInbox(m, event)).await;
+                    self.inbox.notify();
+                    metrics::counter!("obx_consumer_parked_behind_total", "plugin" => self.plugin.clone()).increment(1);
+                    return done;
+                }
                 Ok(Step::Done) => {
                     tracing::trace!(plugin = %self.plugin, event_id = %event.event_id, took = ?started.elapsed(), "event settled");
                     return Done::Settled;
                 }
                 Ok(Step::Failed(failure)) => {
                     match self
-                        .after_failure(event, attempt, &failure.error, failure.retriable)
+                        .after_failure(m, event, attempt, &failure.error, failure.retriable)
                         .await
                     {
                         Some(done) => return done,
@@ -738,10 +741,17 @@ impl Lane {
 
     /// After attempt `attempt` of an event failed: parks it if that was the last attempt or
     /// another cannot help, or waits out the backoff (`None`: try again).
-    async fn after_failure(&self, event: &Incoming, attempt: u32, error: &str, retriable: bool) -> Option<Done> {
+    async fn after_failure(
+        &self,
+        m: &OwnedMessage,
+        event: &Incoming,
+        attempt: u32,
+        error: &str,
+        retriable: bool,
+    ) -> Option<Done> {
         tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt, error, "event handler failed");
         if !retriable || attempt >= self.config.max_attempts {
-            return Some(self.retry_db(DbStep::Park(event, attempt, error)).await);
+            return Some(self.retry_db(DbStep::Park(m, event, attempt, error)).await);
         }
         let pause = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
         if self.pause(pause).await {
@@ -750,25 +760,49 @@ impl Lane {
         None
     }
 
-    /// Runs a database step until it succeeds, or shutdown.
+    /// Runs a database step until it succeeds, or shutdown. A step that stores the event is
+    /// quarantined instead if Postgres refuses the event itself ([`crate::db::refused_value`]):
+    /// it would be refused at every try, and hold its partition for ever.
     async fn retry_db(&self, step: DbStep<'_>) -> Done {
+        let refusal = match self.retry_db_until_refused(step).await {
+            Ok(done) => return done,
+            Err(refusal) => refusal,
+        };
+        let m = match step {
+            DbStep::StoreInInbox(m, _) | DbStep::Park(m, ..) | DbStep::Quarantine(m, _) => m,
+        };
+        let reason = format!("Postgres refused the event: {refusal}");
+        tracing::warn!(plugin = %self.plugin, topic = m.topic(), partition = m.partition(), offset = m.offset(),
+            %reason, "quarantined a message");
+        metrics::counter!("obx_consumer_quarantined_total", "plugin" => self.plugin.clone()).increment(1);
+        // A quarantine is never refused for its content: no error to come back.
+        self.retry_db_until_refused(DbStep::Quarantine(m, &reason))
+            .await
+            .unwrap_or(Done::Settled)
+    }
+
+    /// [`Lane::retry_db`], but returns Postgres's refusal of the event a step stores.
+    async fn retry_db_until_refused(&self, step: DbStep<'_>) -> Result<Done, String> {
         let mut db_errors = 0;
         loop {
             let result = async {
                 let mut conn = self.pool().acquire().await?;
                 match step {
                     DbStep::Quarantine(m, reason) => quarantine(&mut conn, &self.plugin, m, reason).await,
-                    DbStep::StoreInInbox(e) => store_in_inbox(&mut conn, &self.plugin, e).await,
-                    DbStep::Park(e, attempts, error) => park(&mut conn, &self.plugin, e, attempts, error).await,
+                    DbStep::StoreInInbox(_, e) => store_in_inbox(&mut conn, &self.plugin, e).await,
+                    DbStep::Park(_, e, attempts, error) => park(&mut conn, &self.plugin, e, attempts, error).await,
                 }
             }
             .await;
             match result {
-                Ok(()) => return Done::Settled,
+                Ok(()) => return Ok(Done::Settled),
+                Err(e) if !matches!(step, DbStep::Quarantine(..)) && crate::db::refused_value(&e) => {
+                    return Err(e.to_string());
+                }
                 Err(e) => {
                     db_errors += 1;
                     if self.pause_after_db_error(&e, db_errors).await {
-                        return Done::Stopped;
+                        return Ok(Done::Stopped);
                     }
                 }
             }
@@ -801,6 +835,8 @@ impl Lane {
 enum Step {
     Done,
     Failed(Failure),
+    /// The event's key is parked: the event waits behind it, in the inbox.
+    ParkedBehind,
 }
 
 /// Events whose handler failed in a batch that did not commit them, by their message's
@@ -850,8 +886,9 @@ async fn forget_events(tx: &mut PgConnection, event_ids: &[Uuid]) -> sqlx::Resul
 #[derive(Clone, Copy)]
 enum DbStep<'a> {
     Quarantine(&'a OwnedMessage, &'a str),
-    StoreInInbox(&'a Incoming),
-    Park(&'a Incoming, u32, &'a str),
+    /// The message, and the event it holds.
+    StoreInInbox(&'a OwnedMessage, &'a Incoming),
+    Park(&'a OwnedMessage, &'a Incoming, u32, &'a str),
 }
 
 /// Stores an event in the inbox, once: a redelivery finds it there.
@@ -908,7 +945,7 @@ async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u
         .bind(consumer)
         .bind(e.event_id)
         .bind(attempts as i32)
-        .bind(error)
+        .bind(storable(error))
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
@@ -920,10 +957,9 @@ async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u
 async fn quarantine(conn: &mut PgConnection, consumer: &str, m: &OwnedMessage, reason: &str) -> sqlx::Result<()> {
     const KEEP: usize = 64 * 1024;
     // jsonb cannot hold NUL, and a header that had one is among the reasons to be here.
-    let printable = |t: &str| t.replace('\0', "\u{FFFD}");
     let headers: std::collections::BTreeMap<String, String> = super::utf8_headers(m)
         .iter()
-        .map(|(k, v)| (printable(k), printable(v)))
+        .map(|(k, v)| (storable(k).into_owned(), storable(v).into_owned()))
         .collect();
     let headers = serde_json::to_value(headers).unwrap_or_default();
     sqlx::query(

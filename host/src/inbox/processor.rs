@@ -308,7 +308,7 @@ impl Processor {
         let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_fail_attempt($1, $2, $3, $4, $5)")
             .bind(claimed.job.event_id)
             .bind(attempts as i32)
-            .bind(&failure.error)
+            .bind(crate::db::storable(&failure.error))
             .bind(park)
             .bind(delay.as_secs_f64())
             .fetch_one(&mut **tx)

@@ -214,6 +214,13 @@ impl Guest for Testbed {
         if p["reject"] == true {
             return Err(reject("testbed-rejects-event", "the testbed rejects this event"));
         }
+        // `{"fail": {"bytes": n}}`: fails with an error of n bytes that holds a NUL, which no
+        // Postgres text can.
+        if let Some(bytes) = p["fail"]["bytes"].as_u64() {
+            let mut words = String::from("the handler's words\0");
+            words.extend(std::iter::repeat_n('w', (bytes as usize).saturating_sub(words.len())));
+            return Err(HandlerError::Failed(words));
+        }
         execute(
             "INSERT INTO effects (event_id, topic, key, seq, attempt) VALUES ($1, $2, $3, $4, $5)",
             &[
