@@ -1135,6 +1135,44 @@ async fn a_value_postgres_refuses_is_quarantined_and_the_partition_moves_on() {
     host.shutdown().await;
 }
 
+/// Headers are bounded as the value is: a message whose headers hold over 64 KiB is
+/// quarantined, with the first 64 KiB of them kept, and the partition moves on. Before, they
+/// went whole into the inbox, each handler call and the quarantine.
+#[tokio::test]
+async fn a_message_with_headers_over_64_kib_is_quarantined_with_them_cut() {
+    let host = spawn_host(&["testbed"]).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let big = "h".repeat(40 * 1024);
+    for topic in [INBOX, DEDUP] {
+        let id = uuid::Uuid::new_v4().to_string();
+        let headers = vec![
+            ("eventId", id.as_bytes()),
+            ("eventType", b"Thing".as_slice()),
+            ("a", big.as_bytes()),
+            ("b", big.as_bytes()),
+        ];
+        send_raw(&p, &host.topic(topic), Some(b"k"), Some(b"{}"), &headers).await;
+    }
+    let inbox = send_event(&p, &host.topic(INBOX), "k", "Thing", &json!({ "seq": 1 })).await;
+    let dedup = send_event(&p, &host.topic(DEDUP), "k", "Thing", &json!({ "seq": 1 })).await;
+    eventually(
+        Duration::from_secs(30),
+        "the good events after the big ones",
+        || async { effects(&host, inbox).await == 1 && effects(&host, dedup).await == 1 },
+    )
+    .await;
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT reason, octet_length(headers::text) FROM obx.quarantine")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (reason, bytes) in &rows {
+        assert!(reason.starts_with("the headers hold 819"), "{reason}");
+        assert!(*bytes < 8 * 1024, "{bytes} bytes of headers kept");
+    }
+    host.shutdown().await;
+}
+
 /// A handler's error is the plugin's words: one with a NUL (which no Postgres text holds) or
 /// of any length is recorded, cut to 4 KiB, and the event parked, in either mode. Before,
 /// recording it failed at every try: in dedup mode the partition stopped, in inbox mode the

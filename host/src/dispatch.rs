@@ -26,6 +26,7 @@ use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
 use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
 use crate::signal::Signal;
+use crate::text::clipped;
 use crate::trace::TraceContext;
 use tracing::Instrument;
 
@@ -693,10 +694,14 @@ fn count_outcome<T>(
 fn describe_call_error(e: &CallError) -> String {
     match e {
         CallError::Handler(HandlerError::Rejected(r)) => {
-            format!("rejected ({}): {}", clipped(&r.code), clipped(&r.message))
+            format!(
+                "rejected ({}): {}",
+                clipped(&r.code, MAX_GUEST_TEXT),
+                clipped(&r.message, MAX_GUEST_TEXT)
+            )
         }
-        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {}", clipped(m)),
-        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {}", clipped(m)),
+        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {}", clipped(m, MAX_GUEST_TEXT)),
+        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {}", clipped(m, MAX_GUEST_TEXT)),
         CallError::Aborted(m) => format!("transaction aborted: {m}"),
         CallError::Trapped(Trap::Deadline) => "ran past its deadline".into(),
         CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {m}"),
@@ -708,18 +713,6 @@ fn describe_call_error(e: &CallError) -> String {
 /// The most of a guest's error text the host keeps: a plugin chooses its length, and each
 /// failed attempt of an event logs it and may store it.
 const MAX_GUEST_TEXT: usize = 4096;
-
-/// `text`, cut at [`MAX_GUEST_TEXT`] bytes (on a character boundary) with its length said.
-fn clipped(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.len() <= MAX_GUEST_TEXT {
-        return text.into();
-    }
-    let mut end = MAX_GUEST_TEXT;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}... ({} bytes)", &text[..end], text.len()).into()
-}
 
 fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {
     if response.len() > max_bytes {

@@ -26,5 +26,6 @@ pub mod scaffold;
 pub mod signal;
 pub mod sql_policy;
 pub mod telemetry;
+pub mod text;
 pub mod timers;
 pub mod trace;

@@ -32,6 +32,7 @@ use crate::kafka::Brokers;
 use crate::runtime::manifest::DeliveryMode;
 use crate::runtime::registry::Registry;
 use crate::signal::Signal;
+use crate::text::clipped;
 
 pub struct Consumer {
     pub lag: Arc<crate::inbox::ConsumerLag>,
@@ -956,10 +957,21 @@ async fn park(conn: &mut PgConnection, consumer: &str, e: &Incoming, attempts: u
 
 async fn quarantine(conn: &mut PgConnection, consumer: &str, m: &OwnedMessage, reason: &str) -> sqlx::Result<()> {
     const KEEP: usize = 64 * 1024;
-    // jsonb cannot hold NUL, and a header that had one is among the reasons to be here.
+    // jsonb cannot hold NUL, and a header that had one is among the reasons to be here; so
+    // are headers of any size, of which the first 64 KiB are kept.
+    let mut room = KEEP;
     let headers: std::collections::BTreeMap<String, String> = super::utf8_headers(m)
         .iter()
-        .map(|(k, v)| (storable(k).into_owned(), storable(v).into_owned()))
+        .map(|(k, v)| {
+            (
+                clipped(&storable(k), 256).into_owned(),
+                clipped(&storable(v), 1024).into_owned(),
+            )
+        })
+        .take_while(|(k, v)| {
+            room = room.saturating_sub(k.len() + v.len());
+            room > 0
+        })
         .collect();
     let headers = serde_json::to_value(headers).unwrap_or_default();
     sqlx::query(

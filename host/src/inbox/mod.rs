@@ -40,6 +40,8 @@ use rdkafka::message::{BorrowedHeaders, Headers, Message, OwnedMessage};
 use serde_json::Value;
 use uuid::Uuid;
 
+use crate::text::shown;
+
 /// An event as it arrived from Kafka, validated.
 #[derive(Debug, Clone)]
 pub struct Incoming {
@@ -65,9 +67,15 @@ pub struct Quarantine(pub String);
 /// message used to be retried for ever, holding up its partition, then the consumer.
 pub const MAX_KEY_BYTES: usize = 1024;
 
+/// The most header bytes (names and values) a message may carry to be taken. The value is
+/// bounded by `consumer.max_message_bytes`; the headers were not, and went whole into the
+/// inbox, each handler call and the quarantine.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
 impl Incoming {
     /// Validates a Kafka message: an event id and type (see [`identity`]), a UTF-8 key (if
-    /// any) of at most [`MAX_KEY_BYTES`] and no NUL, and a JSON value of at most `max_bytes`.
+    /// any) of at most [`MAX_KEY_BYTES`] and no NUL, headers of at most [`MAX_HEADER_BYTES`],
+    /// and a JSON value of at most `max_bytes`.
     /// The topic loses `topic_prefix`.
     pub fn parse(m: &OwnedMessage, max_bytes: usize, topic_prefix: &str) -> Result<Incoming, Quarantine> {
         let q = |reason: String| Quarantine(reason);
@@ -95,6 +103,12 @@ impl Incoming {
                     .to_string(),
             ),
         };
+        let header_bytes = message_bytes(m) - value.len() - m.key().map_or(0, <[u8]>::len);
+        if header_bytes > MAX_HEADER_BYTES {
+            return Err(q(format!(
+                "the headers hold {header_bytes} bytes, over the limit of {MAX_HEADER_BYTES}"
+            )));
+        }
         let headers = utf8_headers(m);
         let (event_id, event_type) = identity(&headers).map_err(q)?;
         let payload = std::str::from_utf8(value).map_err(|_| q("the value is not UTF-8".into()))?;
@@ -164,16 +178,6 @@ fn identity(headers: &BTreeMap<String, String>) -> Result<(Uuid, String), String
         .filter(|t| !t.is_empty())
         .ok_or("the message has no eventType header")?;
     Ok((event_id, event_type.clone()))
-}
-
-/// A value from a message, quoted for a quarantine reason and the log: at most 64
-/// characters of it, since a producer chooses its length.
-fn shown(value: &str) -> String {
-    const SHOWN: usize = 64;
-    match value.char_indices().nth(SHOWN) {
-        Some((end, _)) => format!("{:?}... ({} bytes)", &value[..end], value.len()),
-        None => format!("{value:?}"),
-    }
 }
 
 /// The event id a CloudEvents-only message gets: see [`identity`].
@@ -317,11 +321,11 @@ mod tests {
 
     #[test]
     fn a_long_event_id_is_shown_cut_in_the_reason() {
-        let long = "x".repeat(100_000);
+        let long = "x".repeat(50_000);
         let m = message(None, Some(b"{}"), &[("eventId", long.as_bytes()), ("eventType", b"X")]);
         let reason = Incoming::parse(&m, 1024, "").unwrap_err().0;
         assert!(
-            reason.contains("not a UUID") && reason.contains("100000 bytes"),
+            reason.contains("not a UUID") && reason.contains("50000 bytes"),
             "{reason}"
         );
         assert!(reason.len() < 200, "{reason}");

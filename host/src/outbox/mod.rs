@@ -13,6 +13,8 @@ pub mod writer;
 
 use uuid::Uuid;
 
+use crate::text::shown;
+
 /// The state of the outbox, for `obx status` and the metrics.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Backlog {
@@ -93,9 +95,8 @@ impl RawEvent {
     pub fn validate(self, max_payload_bytes: usize) -> Result<NewEvent, EventError> {
         let event_id = match self.event_id {
             None => Uuid::now_v7(),
-            Some(id) => {
-                Uuid::parse_str(&id).map_err(|_| EventError::Invalid(format!("event-id {id:?} is not a UUID")))?
-            }
+            Some(id) => Uuid::parse_str(&id)
+                .map_err(|_| EventError::Invalid(format!("event-id {} is not a UUID", shown(&id))))?,
         };
         for (field, value) in [
             ("aggregate-type", &self.aggregate_type),
@@ -154,7 +155,8 @@ pub fn check_topic(topic: &str) -> Result<(), String> {
     let legal = topic.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
     if topic.is_empty() || topic.len() > 249 || !legal || topic == "." || topic == ".." {
         return Err(format!(
-            "topic {topic:?} is not a legal Kafka topic name (1-249 of a-z A-Z 0-9 . _ -)"
+            "topic {} is not a legal Kafka topic name (1-249 of a-z A-Z 0-9 . _ -)",
+            shown(topic)
         ));
     }
     Ok(())

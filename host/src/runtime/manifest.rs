@@ -8,6 +8,7 @@ use serde::Serialize;
 use super::bindings::guest;
 use crate::outbox::check_topic;
 use crate::sql_policy;
+use crate::text::shown;
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Manifest {
@@ -141,8 +142,8 @@ impl Manifest {
             || self.version.chars().any(|c| c.is_whitespace() || c.is_control())
         {
             return Err(format!(
-                "version {:?} must be 1-64 characters with no spaces",
-                self.version
+                "version {} must be 1-64 characters with no spaces",
+                shown(&self.version)
             ));
         }
         let counts = [
@@ -162,12 +163,13 @@ impl Manifest {
                 && command.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c));
             if !ok {
                 return Err(format!(
-                    "command {command:?} must be 1-128 characters of A-Z a-z 0-9 _ - ., \
-                     starting with a letter"
+                    "command {} must be 1-128 characters of A-Z a-z 0-9 _ - ., \
+                     starting with a letter",
+                    shown(command)
                 ));
             }
             if !seen.insert(command) {
-                return Err(format!("command {command:?} is declared twice"));
+                return Err(format!("command {} is declared twice", shown(command)));
             }
         }
         let mut topics = HashSet::new();
@@ -226,14 +228,16 @@ impl Manifest {
         for p in &self.payloads {
             if !self.declares(&p.topic, &p.event_type) && !self.consumes(&p.topic, &p.event_type) {
                 return Err(format!(
-                    "contract: {} on {:?} is neither in emits nor in a subscription",
-                    p.event_type, p.topic
+                    "contract: {} on {} is neither in emits nor in a subscription",
+                    shown(&p.event_type),
+                    shown(&p.topic)
                 ));
             }
             if !seen.insert((&p.topic, &p.event_type)) {
                 return Err(format!(
-                    "contract: the payload of {} on {:?} is declared twice",
-                    p.event_type, p.topic
+                    "contract: the payload of {} on {} is declared twice",
+                    shown(&p.event_type),
+                    shown(&p.topic)
                 ));
             }
         }
@@ -249,8 +253,9 @@ impl Manifest {
             check_emitted_topic(&e.topic).map_err(|m| format!("emits: {m}"))?;
             if e.event_type.is_empty() || e.event_type.len() > 1024 || e.event_type.contains('\0') {
                 return Err(format!(
-                    "emits: event type {:?} on {:?} must be 1-1024 bytes with no NUL",
-                    e.event_type, e.topic
+                    "emits: event type {} on {} must be 1-1024 bytes with no NUL",
+                    shown(&e.event_type),
+                    shown(&e.topic)
                 ));
             }
             if !seen.insert(e) {
@@ -266,7 +271,8 @@ pub fn check_emitted_topic(topic: &str) -> Result<(), String> {
     check_topic(topic)?;
     if topic.starts_with("__") {
         return Err(format!(
-            "topic {topic:?} starts with `__`, which Kafka keeps for itself"
+            "topic {} starts with `__`, which Kafka keeps for itself",
+            shown(topic)
         ));
     }
     Ok(())
@@ -282,11 +288,12 @@ pub fn check_name(name: &str) -> Result<(), String> {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
     if !name_ok {
         return Err(format!(
-            "name {name:?} must be 1-40 characters of a-z, 0-9 and _, starting with a letter"
+            "name {} must be 1-40 characters of a-z, 0-9 and _, starting with a letter",
+            shown(name)
         ));
     }
     if RESERVED_NAMES.contains(&name) || name.starts_with("pg_") || name.starts_with("obx_") {
-        return Err(format!("name {name:?} is reserved"));
+        return Err(format!("name {} is reserved", shown(name)));
     }
     Ok(())
 }
@@ -316,6 +323,27 @@ mod tests {
                 statements: vec![],
             }],
             payloads: vec![],
+        }
+    }
+
+    /// A refused manifest's error quotes at most 64 characters of each string it names: the
+    /// plugin chooses their length, and the error is logged, kept and served. A 10 MB name
+    /// of control characters made a 60 MB error.
+    #[test]
+    fn a_refusal_quotes_a_plugins_strings_in_part() {
+        let long = "\u{1}".repeat(10 << 20);
+        let cases: [fn(&mut Manifest, &str); 5] = [
+            |m, s| m.name = s.into(),
+            |m, s| m.version = s.into(),
+            |m, s| m.commands = vec![s.into()],
+            |m, s| m.subscriptions[0].topic = s.into(),
+            |m, s| m.emits[0].event_type = s.into(),
+        ];
+        for (i, set) in cases.iter().enumerate() {
+            let mut m = manifest();
+            set(&mut m, &long);
+            let error = m.validate(1 << 20).unwrap_err();
+            assert!(error.len() < 1024, "case {i}: {} bytes", error.len());
         }
     }
 

@@ -5,6 +5,7 @@
 use crate::runtime::bindings::contract::Host;
 use crate::runtime::manifest::PayloadContract;
 use crate::runtime::state::CallState;
+use crate::text::shown;
 
 /// Declarations one plugin may make.
 pub(crate) const MAX_DECLARATIONS: usize = 256;
@@ -34,7 +35,7 @@ impl CallState {
         if self.declared.len() >= MAX_DECLARATIONS {
             return Err(format!("more than {MAX_DECLARATIONS} payload declarations"));
         }
-        let what = format!("the payload schema of {event_type} on {topic:?}");
+        let what = format!("the payload schema of {} on {}", shown(&event_type), shown(&topic));
         if schema.len() > MAX_SCHEMA_BYTES || example.as_ref().is_some_and(|e| e.len() > MAX_SCHEMA_BYTES) {
             return Err(format!(
                 "{what}: a schema or example is larger than {MAX_SCHEMA_BYTES} bytes"
@@ -43,8 +44,13 @@ impl CallState {
         let schema = serde_json::from_str(&schema).map_err(|e| format!("{what} is not JSON: {e}"))?;
         let example = example
             .map(|e| {
-                serde_json::from_str(&e)
-                    .map_err(|e| format!("the example of {event_type} on {topic:?} is not JSON: {e}"))
+                serde_json::from_str(&e).map_err(|e| {
+                    format!(
+                        "the example of {} on {} is not JSON: {e}",
+                        shown(&event_type),
+                        shown(&topic)
+                    )
+                })
             })
             .transpose()?;
         self.declared.push(PayloadContract {
