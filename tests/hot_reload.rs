@@ -435,18 +435,29 @@ async fn a_plugin_directory_given_by_a_relative_path_is_hot_reloaded() {
 /// A compile cannot be stopped, so one that runs past `limits.compile_timeout` goes on after
 /// its load failed. Such compiles hold the host's compile slots (one per CPU) until they end:
 /// more files that compile for too long wait for a slot, fail as busy, and are tried again at
-/// a rescan, rather than each adding a compiling thread and its memory. Before, every such
-/// file started a compile of its own.
+/// a rescan, rather than each adding a compiling thread and its memory (before, every such
+/// file started a compile of its own). A component in the compile cache needs no slot and
+/// loads meanwhile; a compile that ran past its time is not cached, so its file is refused
+/// every time, after a restart too.
 #[tokio::test(flavor = "multi_thread")]
 async fn compiles_past_their_timeout_hold_the_compile_slots_and_do_not_pile_up() {
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().to_path_buf();
     let host = spawn_host_with(&[], |c| {
         c.plugins.debounce = Duration::from_millis(100);
         c.plugins.rescan_interval = Duration::from_secs(1);
-        c.plugins.cache = false;
-        // The Python component takes seconds to compile.
-        c.limits.compile_timeout = Duration::from_millis(200);
+        c.plugins.cache_dir = Some(cache_dir);
+        // The Python component takes seconds to compile, the Rust one a fraction of this.
+        c.limits.compile_timeout = Duration::from_secs(1);
     })
     .await;
+    let cached = || std::fs::read_dir(cache.path()).unwrap().count();
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    std::fs::remove_file(host.plugin_dir.path().join("hotswap.wasm")).unwrap();
+    unloaded(&host).await;
+    assert_eq!(cached(), 1);
+
     let runtime = host.host.runtime.clone();
     let slots = runtime.compile_slots();
     let files: Vec<String> = (0..slots + 2).map(|i| format!("slow_{i}.wasm")).collect();
@@ -463,13 +474,25 @@ async fn compiles_past_their_timeout_hold_the_compile_slots_and_do_not_pile_up()
             }
         })
     };
-    eventually(Duration::from_secs(30), "files failed as busy", || async {
+    eventually(Duration::from_secs(60), "files failed as busy", || async {
         failed_with(&host, &files, "no compile slot").await >= 2
     })
     .await;
+    assert_eq!(runtime.compiles_running(), slots);
+    // Every slot is taken: the cached component loads all the same, at once.
+    deploy(&host, "hotswap", "hotswap.wasm");
+    eventually(Duration::from_secs(5), "the cached component serving", || async {
+        version(&host).await.as_deref() == Some("1.0.0")
+    })
+    .await;
+    assert_eq!(
+        runtime.compiles_running(),
+        slots,
+        "the slots were freed before it loaded"
+    );
     // Each file is tried again once the slots free, and compiles in turn.
     eventually(
-        Duration::from_secs(120),
+        Duration::from_secs(180),
         "every file compiled past its timeout",
         || async { failed_with(&host, &files, "compiling took longer").await == files.len() },
     )
@@ -477,6 +500,13 @@ async fn compiles_past_their_timeout_hold_the_compile_slots_and_do_not_pile_up()
     sampler.abort();
     let most = most.load(Ordering::Relaxed);
     assert_eq!(most, slots, "compiles ran at once, with {slots} slots");
+    eventually(
+        Duration::from_secs(60),
+        "the compiles past their time ended",
+        || async { runtime.compiles_running() == 0 },
+    )
+    .await;
+    assert_eq!(cached(), 1, "a compile past its time was cached");
     host.shutdown().await;
 }
 

@@ -55,6 +55,45 @@ impl LoadError {
     }
 }
 
+/// The compiled component, and whether it came from the compile cache. A cache hit takes no
+/// compile slot. A compile takes one (waiting for it at most `limits.compile_timeout`) and
+/// has `limits.compile_timeout` to finish; past it the load fails, the compile runs on to its
+/// end on its slot, and its result is not cached, so that the file is refused every time.
+async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Result<(Component, bool), LoadError> {
+    let timeout = runtime.limits().compile_timeout;
+    let cached = {
+        let (runtime, sha256) = (runtime.clone(), sha256.to_string());
+        tokio::task::spawn_blocking(move || runtime.cache.as_ref()?.load(&runtime.engine, &sha256))
+    };
+    if let Ok(Ok(Some(component))) = tokio::time::timeout(timeout, cached).await {
+        metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
+        return Ok((component, true));
+    }
+    let Some(slot) = runtime.compile_slot(timeout).await else {
+        let (waited, slots) = (timeout, runtime.compile_slots());
+        return Err(LoadError::CompilersBusy { waited, slots });
+    };
+    let compile = {
+        let (runtime, sha256) = (runtime.clone(), sha256.to_string());
+        tokio::task::spawn_blocking(move || {
+            // Held until the compile ends, past the timeout below if need be.
+            let _slot = slot;
+            let started = std::time::Instant::now();
+            let component = Component::new(&runtime.engine, &bytes)?;
+            if let Some(cache) = runtime.cache.as_ref().filter(|_| started.elapsed() <= timeout) {
+                cache.store(&sha256, &component);
+            }
+            Ok::<_, wasmtime::Error>(component)
+        })
+    };
+    match tokio::time::timeout(timeout, compile).await {
+        Err(_) => Err(LoadError::CompileTimeout(timeout)),
+        Ok(Err(join)) => Err(LoadError::Compile(format!("the compiler crashed: {join}"))),
+        Ok(Ok(Err(e))) => Err(LoadError::Compile(format!("{e:#}"))),
+        Ok(Ok(Ok(component))) => Ok((component, false)),
+    }
+}
+
 /// Reads a component file, but never more than `limit` bytes of it: a larger file (an
 /// artefact dropped in the directory by mistake, a sparse file of many GiB) is refused as
 /// too large without being read whole, which could take the host's memory.
@@ -89,34 +128,7 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
     check_header(&bytes)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
 
-    let Some(slot) = runtime.compile_slot(limits.compile_timeout).await else {
-        let (waited, slots) = (limits.compile_timeout, runtime.compile_slots());
-        return Err(LoadError::CompilersBusy { waited, slots });
-    };
-    let compile = {
-        let runtime = runtime.clone();
-        let sha256 = sha256.clone();
-        tokio::task::spawn_blocking(move || {
-            // Held until the compile ends, past the timeout below if need be.
-            let _slot = slot;
-            let cache = runtime.cache.as_ref();
-            if let Some(component) = cache.and_then(|c| c.load(&runtime.engine, &sha256)) {
-                metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
-                return Ok::<_, wasmtime::Error>((component, true));
-            }
-            let component = Component::new(&runtime.engine, &bytes)?;
-            if let Some(cache) = cache {
-                cache.store(&sha256, &component);
-            }
-            Ok((component, false))
-        })
-    };
-    let (component, from_cache) = match tokio::time::timeout(limits.compile_timeout, compile).await {
-        Err(_) => return Err(LoadError::CompileTimeout(limits.compile_timeout)),
-        Ok(Err(join)) => return Err(LoadError::Compile(format!("the compiler crashed: {join}"))),
-        Ok(Ok(Err(e))) => return Err(LoadError::Compile(format!("{e:#}"))),
-        Ok(Ok(Ok(compiled))) => compiled,
-    };
+    let (component, from_cache) = compiled(runtime, bytes, &sha256).await?;
 
     let instance_pre = runtime
         .linker
