@@ -206,7 +206,8 @@ pub enum CallError {
     Aborted(String),
     /// The guest was stopped.
     Trapped(Trap),
-    /// The call could not start: no free call slot within the deadline.
+    /// The call could not start: no free call slot within the deadline, or no room in the
+    /// instance pool.
     Busy,
 }
 
@@ -492,6 +493,19 @@ impl Runtime {
                 };
             }
         };
+        if outcome
+            .as_ref()
+            .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
+        {
+            // The instance pool is full (other calls hold its memories or tables): the host
+            // is busy, as with no call slot, and the guest never ran. Not the plugin's fault,
+            // nor an attempt of the event's.
+            return CallOutput {
+                result: Err(CallError::Busy),
+                tx: store.into_data().tx,
+                events: Vec::new(),
+            };
+        }
         let outcome = outcome.map_err(|e| classify_trap(&store, e));
         let state = store.into_data();
         let counted = plugin.identity.metrics();

@@ -71,6 +71,7 @@ impl CallState {
             table: ResourceTable::new(),
             limiter: MemoryLimiter {
                 max_bytes: limits.memory_bytes as usize,
+                used: 0,
                 exceeded: false,
             },
             plugin,
@@ -107,31 +108,39 @@ impl WasiView for CallState {
     }
 }
 
-/// Caps linear memory. Growing past the cap traps (rather than returning -1 to the guest),
-/// and the flag lets the caller report the trap as a memory-limit kill.
+/// Caps the linear memory of a call: all its memories together, since a component may hold
+/// many (each was capped alone, and sixteen of them made sixteen times the cap). Growing past
+/// the cap traps (rather than returning -1 to the guest), and the flag lets the caller report
+/// the trap as a memory-limit kill.
 pub(super) struct MemoryLimiter {
     max_bytes: usize,
+    /// The bytes of every memory of the Store, as created and grown.
+    used: usize,
     pub(super) exceeded: bool,
 }
 
 /// The error a memory-cap trap carries.
 #[derive(Debug, thiserror::Error)]
-#[error("the plugin tried to grow its memory to {desired} bytes, over the cap of {limit} bytes")]
+#[error("the plugin tried to grow its memory to {desired} bytes in all, over the cap of {limit} bytes")]
 pub struct MemoryLimitExceeded {
     pub desired: usize,
     pub limit: usize,
 }
 
 impl ResourceLimiter for MemoryLimiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        if desired > self.max_bytes {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        // Called as each memory is created (from 0) and each time it grows. A growth that
+        // then fails stays counted: the cap errs on the safe side.
+        let in_all = self.used.saturating_add(desired.saturating_sub(current));
+        if in_all > self.max_bytes {
             self.exceeded = true;
             return Err(MemoryLimitExceeded {
-                desired,
+                desired: in_all,
                 limit: self.max_bytes,
             }
             .into());
         }
+        self.used = in_all;
         Ok(true)
     }
 
@@ -154,3 +163,30 @@ impl ResourceLimiter for MemoryLimiter {
 
 /// Table elements one table may hold (a large CPython build needs tens of thousands).
 pub(super) const MAX_TABLE_ELEMENTS: usize = 200_000;
+
+#[cfg(test)]
+mod tests {
+    use wasmtime::ResourceLimiter as _;
+
+    use super::MemoryLimiter;
+
+    /// The cap holds for a call's memories together: a component of many memories, each
+    /// under the cap, was let grow each to it.
+    #[test]
+    fn the_memory_cap_holds_for_all_of_a_calls_memories_together() {
+        const MIB: usize = 1 << 20;
+        let mut limiter = MemoryLimiter {
+            max_bytes: 128 * MIB,
+            used: 0,
+            exceeded: false,
+        };
+        assert!(limiter.memory_growing(0, 64 * MIB, None).unwrap());
+        assert!(limiter.memory_growing(64 * MIB, 96 * MIB, None).unwrap());
+        // A second memory: 96 MiB are taken, so 32 are left for it.
+        assert!(limiter.memory_growing(0, 32 * MIB, None).unwrap());
+        assert!(!limiter.exceeded);
+        let refused = limiter.memory_growing(32 * MIB, 33 * MIB, None).unwrap_err();
+        assert!(limiter.exceeded);
+        assert!(refused.to_string().contains(&(129 * MIB).to_string()), "{refused}");
+    }
+}
