@@ -433,7 +433,7 @@ async fn a_plugin_directory_given_by_a_relative_path_is_hot_reloaded() {
 }
 
 /// A compile cannot be stopped, so one that runs past `limits.compile_timeout` goes on after
-/// its load failed. Such compiles hold the host's compile slots (one per CPU) until they end:
+/// its load failed. Such compiles hold the host's compile slots (here two) until they end:
 /// more files that compile for too long wait for a slot, fail as busy, and are tried again at
 /// a rescan, rather than each adding a compiling thread and its memory (before, every such
 /// file started a compile of its own). A component in the compile cache needs no slot and
@@ -449,6 +449,7 @@ async fn compiles_past_their_timeout_hold_the_compile_slots_and_do_not_pile_up()
         c.plugins.cache_dir = Some(cache_dir);
         // The Python component takes seconds to compile, the Rust one a fraction of this.
         c.limits.compile_timeout = Duration::from_secs(1);
+        c.limits.max_concurrent_compiles = 2;
     })
     .await;
     let cached = || std::fs::read_dir(cache.path()).unwrap().count();

@@ -161,7 +161,8 @@ async fn values_travel_typed_in_both_directions() {
             true,
             "it's \"quoted\"; DROP TABLE items; --",
             { "uuid": "5f0c7a51-0b5e-4a8e-9a0e-0d1f2c3b4a59" },
-            { "json": "{\"a\":[1,2]}" },
+            // As Postgres writes it: passed through as text, never built into a tree.
+            { "json": "{\"a\": [1, 2]}" },
             { "timestamp": "2026-11-30T12:00:00.123456Z" },
             { "date": "2026-11-30" },
             { "numeric": "12345678901234567890.12" },

@@ -543,6 +543,9 @@ pub struct Limits {
     /// How long compiling one component may take.
     #[serde(with = "humantime_serde")]
     pub compile_timeout: Duration,
+    /// Compiles that may run at once (each uses every CPU; memory is what this bounds). A
+    /// compile past `compile_timeout` cannot be stopped and keeps its slot until it ends.
+    pub max_concurrent_compiles: u32,
     /// Events one call may emit.
     pub max_emits_per_call: u32,
     /// The largest event payload, and the largest command response, in bytes.
@@ -577,6 +580,7 @@ impl Default for Limits {
             memory_bytes: 128 * 1024 * 1024,
             max_component_bytes: 128 * 1024 * 1024,
             compile_timeout: Duration::from_secs(120),
+            max_concurrent_compiles: 2,
             max_emits_per_call: 1000,
             // Fits librdkafka's default message.max.bytes (1,000,000) with the key and headers.
             max_payload_bytes: 960 * 1024,
@@ -825,6 +829,9 @@ impl Config {
         }
         if l.max_concurrent_calls == 0 {
             return invalid("limits.max_concurrent_calls", "must be greater than 0");
+        }
+        if l.max_concurrent_compiles == 0 {
+            return invalid("limits.max_concurrent_compiles", "must be greater than 0");
         }
         if l.max_payload_bytes == 0 {
             return invalid("limits.max_payload_bytes", "must be greater than 0");

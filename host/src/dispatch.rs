@@ -702,11 +702,13 @@ fn describe_call_error(e: &CallError) -> String {
         }
         CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {}", clipped(m, MAX_GUEST_TEXT)),
         CallError::Handler(HandlerError::Failed(m)) => format!("failed: {}", clipped(m, MAX_GUEST_TEXT)),
-        CallError::Aborted(m) => format!("transaction aborted: {m}"),
+        // Postgres quotes values in its messages, and a trap's backtrace names the guest's
+        // functions: the plugin's words too.
+        CallError::Aborted(m) => format!("transaction aborted: {}", clipped(m, MAX_GUEST_TEXT)),
         CallError::Trapped(Trap::Deadline) => "ran past its deadline".into(),
-        CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {m}"),
-        CallError::Trapped(Trap::Fault(m)) => format!("trapped: {m}"),
-        CallError::Busy => "no free call slot".into(),
+        CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {}", clipped(m, MAX_GUEST_TEXT)),
+        CallError::Trapped(Trap::Fault(m)) => format!("trapped: {}", clipped(m, MAX_GUEST_TEXT)),
+        CallError::Busy => "no free call slot, or no room in the instance pool".into(),
     }
 }
 

@@ -769,10 +769,18 @@ impl Lane {
             Ok(done) => return done,
             Err(refusal) => refusal,
         };
-        let m = match step {
-            DbStep::StoreInInbox(m, _) | DbStep::Park(m, ..) | DbStep::Quarantine(m, _) => m,
+        let (m, reason) = match step {
+            DbStep::Park(m, _, attempts, error) => (
+                m,
+                format!(
+                    "Postgres refused the event: {refusal}; it was to be parked after {attempts} attempts: {}",
+                    clipped(error, 1024)
+                ),
+            ),
+            DbStep::StoreInInbox(m, _) | DbStep::Quarantine(m, _) => {
+                (m, format!("Postgres refused the event: {refusal}"))
+            }
         };
-        let reason = format!("Postgres refused the event: {refusal}");
         tracing::warn!(plugin = %self.plugin, topic = m.topic(), partition = m.partition(), offset = m.offset(),
             %reason, "quarantined a message");
         metrics::counter!("obx_consumer_quarantined_total", "plugin" => self.plugin.clone()).increment(1);
@@ -797,16 +805,37 @@ impl Lane {
             .await;
             match result {
                 Ok(()) => return Ok(Done::Settled),
-                Err(e) if !matches!(step, DbStep::Quarantine(..)) && crate::db::refused_value(&e) => {
-                    return Err(e.to_string());
-                }
                 Err(e) => {
+                    if let Some(refusal) = self.refusal_of(step, &e).await {
+                        return Err(refusal);
+                    }
                     db_errors += 1;
                     if self.pause_after_db_error(&e, db_errors).await {
                         return Ok(Done::Stopped);
                     }
                 }
             }
+        }
+    }
+
+    /// Postgres's refusal of the event `step` stores, when `e` is one: the step failed with a
+    /// data exception, and Postgres refuses the event's payload as `jsonb` on its own. Not
+    /// when the exception came from anything else (the host's own values, a trigger, the
+    /// server), which a retry, or an operator, must cure: the event is not at fault.
+    async fn refusal_of(&self, step: DbStep<'_>, e: &sqlx::Error) -> Option<String> {
+        let (DbStep::StoreInInbox(_, event) | DbStep::Park(_, event, ..)) = step else {
+            return None;
+        };
+        if !crate::db::refused_value(e) {
+            return None;
+        }
+        match sqlx::query("SELECT $1::jsonb")
+            .bind(&event.payload)
+            .execute(self.pool())
+            .await
+        {
+            Err(refused) if crate::db::refused_value(&refused) => Some(refused.to_string()),
+            _ => None,
         }
     }
 

@@ -35,11 +35,15 @@ pub enum LoadError {
     #[error("compiling took longer than {0:?} (limits.compile_timeout)")]
     CompileTimeout(std::time::Duration),
     #[error(
-        "no compile slot freed within {waited:?}: all {slots} (one per CPU) are taken, by compiles \
-         that ran past limits.compile_timeout and cannot be stopped; a watching host tries the \
-         file again at its next rescan"
+        "no compile slot freed within {waited:?}: all {slots} (limits.max_concurrent_compiles) are \
+         taken, by compiles that ran past limits.compile_timeout and cannot be stopped; a watching \
+         host tries the file again at its next rescan"
     )]
     CompilersBusy { waited: std::time::Duration, slots: usize },
+    #[error(
+        "the instance pool had no room to read the manifest; a watching host tries the file again at its next rescan"
+    )]
+    PoolFull,
     #[error("the component does not fit the obx:plugin/plugin@0.2 world: {0}")]
     WrongWorld(String),
     #[error("reading the manifest failed: {0}")]
@@ -51,12 +55,15 @@ pub enum LoadError {
 impl LoadError {
     /// Whether loading the same bytes again may succeed.
     pub fn may_pass(&self) -> bool {
-        matches!(self, LoadError::CompilersBusy { .. })
+        matches!(self, LoadError::CompilersBusy { .. } | LoadError::PoolFull)
     }
 }
 
+/// The longest a load waits for a compile slot.
+const SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The compiled component, and whether it came from the compile cache. A cache hit takes no
-/// compile slot. A compile takes one (waiting for it at most `limits.compile_timeout`) and
+/// compile slot. A compile takes one (waiting for it at most [`SLOT_WAIT`]) and
 /// has `limits.compile_timeout` to finish; past it the load fails, the compile runs on to its
 /// end on its slot, and its result is not cached, so that the file is refused every time.
 async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Result<(Component, bool), LoadError> {
@@ -69,8 +76,11 @@ async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Resul
         metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
         return Ok((component, true));
     }
-    let Some(slot) = runtime.compile_slot(timeout).await else {
-        let (waited, slots) = (timeout, runtime.compile_slots());
+    // Loads run one after another (at start, and in the watcher): a load waits only a little
+    // for a slot, so that files behind it are not held up for long by overdue compiles.
+    let wait = timeout.min(SLOT_WAIT);
+    let Some(slot) = runtime.compile_slot(wait).await else {
+        let (waited, slots) = (wait, runtime.compile_slots());
         return Err(LoadError::CompilersBusy { waited, slots });
     };
     let compile = {
@@ -158,6 +168,7 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
         .map_err(|e| match e {
             CallError::Trapped(Trap::Deadline) => LoadError::Manifest("describe() ran past the call deadline".into()),
             CallError::Trapped(Trap::Memory(m) | Trap::Fault(m)) => LoadError::Manifest(m),
+            CallError::Busy => LoadError::PoolFull,
             other => LoadError::Manifest(format!("{other:?}")),
         })?;
     if let Some(e) = read.declaration_error {

@@ -59,9 +59,10 @@ pub struct Runtime {
     linker: Linker<CallState>,
     limits: Arc<Limits>,
     slots: Semaphore,
-    /// One per CPU: compiles that may run at once. Cranelift cannot be stopped, so a compile
-    /// that ran past `limits.compile_timeout` runs on, holding its slot until it ends; without
-    /// the bound, each new file that compiles for too long added a thread and its memory.
+    /// `limits.max_concurrent_compiles`: compiles that may run at once. Cranelift cannot be
+    /// stopped, so a compile that ran past `limits.compile_timeout` runs on, holding its slot
+    /// until it ends; without the bound, each new file that compiles for too long added a
+    /// thread and its memory.
     compiles: Arc<Semaphore>,
     compile_slots: usize,
     cache: Option<cache::CompileCache>,
@@ -297,7 +298,7 @@ impl Runtime {
             },
             None => None,
         };
-        let compile_slots = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let compile_slots = limits.max_concurrent_compiles.max(1) as usize;
         Ok(Arc::new(Runtime {
             engine,
             linker,
@@ -410,6 +411,12 @@ impl Runtime {
         else {
             return Err(CallError::Trapped(Trap::Deadline));
         };
+        if outcome
+            .as_ref()
+            .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
+        {
+            return Err(CallError::Busy);
+        }
         match outcome {
             Ok(manifest) => {
                 let state = store.data_mut();

@@ -128,9 +128,14 @@ pub struct MemoryLimitExceeded {
 }
 
 impl ResourceLimiter for MemoryLimiter {
-    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        // Past the memory's own declared maximum, the growth fails anyway (-1 to the guest):
+        // not counted.
+        if maximum.is_some_and(|max| desired > max) {
+            return Ok(false);
+        }
         // Called as each memory is created (from 0) and each time it grows. A growth that
-        // then fails stays counted: the cap errs on the safe side.
+        // then fails for another reason stays counted: the cap errs on the safe side.
         let in_all = self.used.saturating_add(desired.saturating_sub(current));
         if in_all > self.max_bytes {
             self.exceeded = true;
