@@ -13,6 +13,14 @@ use serde_json::json;
 const DEDUP: &str = "testbed.events";
 const INBOX: &str = "testbed.inbox";
 
+/// The reasons of every quarantined message.
+async fn quarantine_reasons(host: &TestHost) -> Vec<String> {
+    sqlx::query_scalar("SELECT reason FROM obx.quarantine")
+        .fetch_all(&host.db)
+        .await
+        .unwrap()
+}
+
 async fn effects(host: &TestHost, event_id: uuid::Uuid) -> i64 {
     host.count(&format!(
         "SELECT count(*) FROM testbed.effects WHERE event_id = '{event_id}'"
@@ -964,10 +972,7 @@ async fn each_bad_input_class_is_quarantined_and_the_partition_moves_on() {
         effects(&host, good).await == 1
     })
     .await;
-    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM obx.quarantine")
-        .fetch_all(&host.db)
-        .await
-        .unwrap();
+    let reasons = quarantine_reasons(&host).await;
     assert_eq!(reasons.len(), cases.len(), "{reasons:?}");
     for (_, _, _, expected) in &cases {
         let matching = reasons.iter().filter(|r| r.contains(expected)).count();
@@ -1082,10 +1087,7 @@ async fn a_value_with_a_nul_escape_is_quarantined_and_the_partition_moves_on() {
         || async { effects(&host, good).await == 1 && effects(&host, text).await == 1 },
     )
     .await;
-    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM obx.quarantine")
-        .fetch_all(&host.db)
-        .await
-        .unwrap();
+    let reasons = quarantine_reasons(&host).await;
     assert_eq!(reasons.len(), 5, "{reasons:?}");
     assert_eq!(
         reasons.iter().filter(|r| r.contains("\\u0000")).count(),
@@ -1123,10 +1125,7 @@ async fn a_value_postgres_refuses_is_quarantined_and_the_partition_moves_on() {
         || async { effects(&host, inbox).await == 1 && effects(&host, dedup).await == 1 },
     )
     .await;
-    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM obx.quarantine")
-        .fetch_all(&host.db)
-        .await
-        .unwrap();
+    let reasons = quarantine_reasons(&host).await;
     assert_eq!(reasons.len(), 4, "{reasons:?}");
     assert!(
         reasons.iter().all(|r| r.starts_with("Postgres refused the event")),

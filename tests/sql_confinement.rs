@@ -18,6 +18,12 @@ async fn run(host: &TestHost, sql: &str, params: Value) -> (u16, Value) {
     }
 }
 
+/// `sql` is cut off at the result's bound: `sql-error::limit`.
+async fn assert_cut_off(host: &TestHost, sql: &str) {
+    let (status, reason) = run(host, sql, json!([])).await;
+    assert_eq!((status, reason.as_str()), (409, Some("limit")), "{sql}");
+}
+
 async fn assert_forbidden(host: &TestHost, sql: &str) {
     let (status, reason) = run(host, sql, json!([])).await;
     assert_eq!(
@@ -271,13 +277,7 @@ async fn a_huge_result_set_is_cut_off_without_growing_the_host() {
     let host = spawn_host_with(&["testbed"], |c| c.limits.max_result_bytes = 8 * 1024 * 1024).await;
     let before = rss();
     // 400 MB of rows, 1 MB each.
-    let (status, reason) = run(
-        &host,
-        "SELECT repeat('x', 1000000) FROM generate_series(1, 400)",
-        json!([]),
-    )
-    .await;
-    assert_eq!((status, reason.as_str()), (409, Some("limit")));
+    assert_cut_off(&host, "SELECT repeat('x', 1000000) FROM generate_series(1, 400)").await;
     let grown = rss().saturating_sub(before);
     assert!(grown < 96 * 1024 * 1024, "the host grew by {} MB", grown / 1024 / 1024);
     // The abandoned session was ended on the server too; the plugin keeps working.
@@ -303,21 +303,13 @@ async fn a_result_that_is_small_on_the_wire_and_large_as_values_is_cut_off() {
     let host = spawn_host_with(&["testbed"], |c| c.limits.max_result_bytes = 8 * 1024 * 1024).await;
     let before = rss();
     let columns = vec!["n"; 100].join(", ");
-    let (status, reason) = run(
+    assert_cut_off(
         &host,
         &format!("SELECT {columns} FROM (SELECT rpad('1', 131000, '0')::numeric AS n) t, generate_series(1, 100)"),
-        json!([]),
     )
     .await;
-    assert_eq!((status, reason.as_str()), (409, Some("limit")));
     let nulls = vec!["NULL::int"; 1000].join(", ");
-    let (status, reason) = run(
-        &host,
-        &format!("SELECT {nulls} FROM generate_series(1, 10000)"),
-        json!([]),
-    )
-    .await;
-    assert_eq!((status, reason.as_str()), (409, Some("limit")));
+    assert_cut_off(&host, &format!("SELECT {nulls} FROM generate_series(1, 10000)")).await;
     let grown = rss().saturating_sub(before);
     assert!(grown < 96 * 1024 * 1024, "the host grew by {} MB", grown / 1024 / 1024);
     let (status, body) = run(&host, "SELECT 12.50::numeric, NULL::int", json!([])).await;

@@ -64,7 +64,6 @@ pub struct Runtime {
     /// until it ends; without the bound, each new file that compiles for too long added a
     /// thread and its memory.
     compiles: Arc<Semaphore>,
-    compile_slots: usize,
     cache: Option<cache::CompileCache>,
 }
 
@@ -298,14 +297,12 @@ impl Runtime {
             },
             None => None,
         };
-        let compile_slots = limits.max_concurrent_compiles.max(1) as usize;
         Ok(Arc::new(Runtime {
             engine,
             linker,
+            compiles: Arc::new(Semaphore::new(limits.max_concurrent_compiles.max(1) as usize)),
             limits: Arc::new(limits),
             slots: Semaphore::new(slots as usize),
-            compiles: Arc::new(Semaphore::new(compile_slots)),
-            compile_slots,
             cache,
         }))
     }
@@ -320,12 +317,12 @@ impl Runtime {
 
     /// How many compiles may run at once.
     pub fn compile_slots(&self) -> usize {
-        self.compile_slots
+        self.limits.max_concurrent_compiles.max(1) as usize
     }
 
     /// How many compiles run now, those past their timeout included.
     pub fn compiles_running(&self) -> usize {
-        self.compile_slots - self.compiles.available_permits()
+        self.compile_slots() - self.compiles.available_permits()
     }
 
     pub fn engine(&self) -> &Engine {
