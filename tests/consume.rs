@@ -319,6 +319,52 @@ async fn a_host_whose_lease_session_ended_while_it_lived_starts_over_and_consume
     a.shutdown().await;
 }
 
+/// A host whose lanes hold the whole in-flight budget (64 MiB: here 340 events of 200 KB,
+/// whose handlers wait for a row lock the test holds) still steps its leases: its loop,
+/// waiting for budget, used to step nothing, so a newcomer got no partition for as long as
+/// the lanes were stuck. Now the newcomer gets its share (past the hand-over bound of the
+/// partitions whose events are stuck in the lanes), and once the lock goes every event takes
+/// effect once.
+#[tokio::test]
+async fn a_host_whose_lanes_hold_the_whole_budget_still_hands_partitions_over() {
+    let broker = broker();
+    let with = |c: &mut obx::config::Config| {
+        broker.configure(c);
+        c.consumer.stuck_after = Duration::ZERO;
+        c.consumer.max_attempts = 1000;
+        c.limits.call_deadline = Duration::from_secs(120);
+        c.limits.statement_timeout = Duration::from_secs(120);
+        c.limits.lock_timeout = Duration::from_secs(120);
+        c.http.request_timeout = Duration::from_secs(300);
+    };
+    let a = spawn_host_with(&["testbed"], with).await;
+    let topic = a.topic(DEDUP);
+    await_lease_holders(&a, 1, "A leases partitions").await;
+    let gate = Gate::hold(&a.database_url).await;
+    let p = producer(&broker.bootstrap);
+    let pad = "p".repeat(200_000);
+    for i in 0..340 {
+        let payload = json!({ "gate": true, "seq": i, "pad": pad });
+        send_event(&p, &topic, &format!("k{i}"), "Thing", &payload).await;
+    }
+    eventually(Duration::from_secs(30), "A's handlers wait for the gate", || async {
+        a.lock_waits().await >= 1
+    })
+    .await;
+    // The lanes take what the budget lets in.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let b = spawn_host_on(&a.database_url, &["testbed"], with).await;
+    await_lease_holders(&a, 2, "A hands partitions over to B while its lanes hold the budget").await;
+    gate.release().await;
+    eventually(Duration::from_secs(60), "every event takes effect", || async {
+        total_effects(&a).await == 340
+    })
+    .await;
+    assert_each_effect_once(&a, 340).await;
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
 /// Partitions a host handed over to a newcomer come back to it when the newcomer stops,
 /// and it reads them again (a partition paused for its hand-over must not stay paused). The
 /// stuck check, which would rescue it, is off.

@@ -201,19 +201,26 @@ impl Consumer {
             match message {
                 Ok(m) => {
                     progress.advanced();
-                    let tracked = match leased.as_deref().map(|l| l.admit(m.topic(), m.partition())) {
-                        // Not (or no longer) this consumer's: the partition's owner reads it.
-                        Some(None) => continue,
-                        Some(tracked) => tracked,
-                        None => None,
-                    };
+                    // Not (or no longer) this consumer's: the partition's owner reads it.
+                    if leased.as_deref().is_some_and(|l| !l.owns(m.topic(), m.partition())) {
+                        continue;
+                    }
                     // The key and headers count too: a message of 1 MB of them and an empty
                     // value took 1 KiB of the budget.
                     let m = m.detach();
                     let kib = (super::message_bytes(&m) / 1024).clamp(1, IN_FLIGHT_KIB) as u32;
-                    let permit = tokio::select! {
-                        p = budget.clone().acquire_many_owned(kib) => p.expect("never closed"),
-                        _ = self.shutdown.changed() => break Ended::Shutdown,
+                    let permit = match self
+                        .budget(&budget, kib, &mut lease_step, leased.as_deref_mut(), &consumer)
+                        .await
+                    {
+                        Ok(permit) => permit,
+                        Err(ended) => break ended,
+                    };
+                    // Admitted now, not before the wait: the leases may have moved meanwhile.
+                    let tracked = match leased.as_deref().map(|l| l.admit(m.topic(), m.partition())) {
+                        Some(None) => continue,
+                        Some(tracked) => tracked,
+                        None => None,
                     };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
                     if senders[lane].send((m, (permit, tracked))).is_err() {
@@ -241,6 +248,33 @@ impl Consumer {
             tracing::info!(plugin = %self.plugin, "consumer stopped");
         }
         ended
+    }
+
+    /// `kib` of the in-flight budget. The leases go on stepping while it is waited for: lanes
+    /// that hold the whole budget (a lock a handler waits for, a slow database) must not
+    /// stop this host from handing partitions over to a newcomer, nor from noticing that it
+    /// lost some. The wait keeps its place in the budget's queue across the steps.
+    async fn budget(
+        &mut self,
+        budget: &Arc<Semaphore>,
+        kib: u32,
+        lease_step: &mut tokio::time::Interval,
+        mut leased: Option<&mut Leased>,
+        consumer: &Arc<StreamConsumer<LagReporter>>,
+    ) -> Result<OwnedSemaphorePermit, Ended> {
+        let wait = budget.clone().acquire_many_owned(kib);
+        tokio::pin!(wait);
+        loop {
+            tokio::select! {
+                p = &mut wait => return Ok(p.expect("never closed")),
+                _ = self.shutdown.changed() => return Err(Ended::Shutdown),
+                _ = lease_step.tick(), if leased.is_some() => {
+                    if !leased.as_deref_mut().expect("guarded").step(consumer).await {
+                        return Err(Ended::Lost);
+                    }
+                }
+            }
+        }
     }
 
     fn create(&self) -> rdkafka::error::KafkaResult<StreamConsumer<LagReporter>> {

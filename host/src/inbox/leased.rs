@@ -56,13 +56,19 @@ impl Leased {
         }
     }
 
+    /// Whether this partition's lease is held and it is not being handed over.
+    pub fn owns(&self, topic: &str, partition: i32) -> bool {
+        let p = (topic.to_string(), partition);
+        self.leases.held().contains(&p) && !self.leaving.contains_key(&p)
+    }
+
     /// Admits a message of this partition to the lanes if its lease is held and it is not
     /// being handed over, counting it as in flight until the returned value drops. A
     /// message not admitted is neither handled nor stored, so the partition's next owner
     /// reads it again.
     pub fn admit(&self, topic: &str, partition: i32) -> Option<Tracked> {
-        let p = (topic.to_string(), partition);
-        (self.leases.held().contains(&p) && !self.leaving.contains_key(&p)).then(|| self.in_flight.track(p))
+        self.owns(topic, partition)
+            .then(|| self.in_flight.track((topic.to_string(), partition)))
     }
 
     /// Assigns a new client the partitions leased so far (the first client: none).
