@@ -500,10 +500,14 @@ impl Runtime {
         if outcome
             .as_ref()
             .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
+            && store.data().sent == 0
         {
             // The instance pool is full (other calls hold its memories or tables): the host
-            // is busy, as with no call slot, and the guest never ran. Not the plugin's fault,
-            // nor an attempt of the event's.
+            // is busy, as with no call slot, and the call's transaction is as it was. Not the
+            // plugin's fault, nor an attempt of the event's. (A component of several core
+            // instances may have run a start function before the pool refused the next one:
+            // if that sent a statement, the call failed as a trap below, and its caller
+            // undoes the transaction's work.)
             return CallOutput {
                 result: Err(CallError::Busy),
                 tx: store.into_data().tx,

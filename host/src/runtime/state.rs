@@ -27,6 +27,8 @@ pub struct CallState {
     /// The host-owned transaction of this call, on a session of the plugin's own role;
     /// `None` while the manifest is read.
     pub(super) tx: Option<PluginTx>,
+    /// Statements this call has sent in `tx` (its own and its timers').
+    pub(super) sent: u32,
     /// Events emitted so far; written to `outbox_event` in `tx` when the handler succeeds.
     pub(super) events: Vec<NewEvent>,
     /// Payload bytes of `events`.
@@ -51,6 +53,12 @@ pub struct CallState {
 }
 
 impl CallState {
+    /// The call's transaction, for a statement about to be sent in it (counted in `sent`).
+    pub(super) fn sending(&mut self) -> Option<&mut PluginTx> {
+        self.sent += 1;
+        self.tx.as_mut()
+    }
+
     pub(super) fn new(
         plugin: Arc<PluginIdentity>,
         limits: Arc<Limits>,
@@ -86,6 +94,7 @@ impl CallState {
             trace,
             log_lines: 0,
             timer_calls: 0,
+            sent: 0,
             declared: Vec::new(),
             declaration_error: None,
         }

@@ -75,7 +75,7 @@ impl CallState {
         // of a prepared statement, so they must be part of the text too.
         let sql = format!("{checked} /* obx:{signature} */");
         let (max_rows, max_bytes) = (self.limits.max_rows as usize, self.limits.max_result_bytes);
-        let tx = self.tx.as_mut().expect("checked above");
+        let tx = self.sending().expect("checked above");
         let sent = std::time::Instant::now();
         let mut overflowed = false;
         let result = match mode {

@@ -38,7 +38,7 @@ impl Host for CallState {
             return Err(TimerError::Invalid(format!("the payload is not valid JSON: {e}")));
         }
         let traceparent = self.trace.as_ref().map(TraceContext::header);
-        let tx = self.tx.as_mut().expect("checked by check_timer_call");
+        let tx = self.sending().expect("checked by check_timer_call");
         let run = sqlx::query("SELECT obx_api.timer_schedule($1, $2, $3, $4, $5)")
             .bind(&name)
             .bind(&key)
@@ -55,7 +55,7 @@ impl Host for CallState {
 
     async fn cancel(&mut self, name: String, key: String) -> Result<bool, TimerError> {
         self.check_timer_call(&name, &key)?;
-        let tx = self.tx.as_mut().expect("checked by check_timer_call");
+        let tx = self.sending().expect("checked by check_timer_call");
         let run = sqlx::query_scalar::<_, bool>("SELECT obx_api.timer_cancel($1, $2)")
             .bind(&name)
             .bind(&key)
