@@ -244,36 +244,12 @@ const TABLE_KEEP_RESIDENT: usize = 64 * 1024;
 impl Runtime {
     /// A runtime with these limits, and a compile cache in `cache_dir` if given.
     pub fn new(limits: Limits, cache: Option<cache::CacheSettings>) -> Result<Arc<Runtime>> {
-        let slots = limits.max_concurrent_calls;
-        // Headroom above the call slots for manifest reads during loads.
-        let instances = slots + 32;
-        let mut pool = PoolingAllocationConfig::default();
-        pool.total_component_instances(instances)
-            .total_core_instances(instances * 4)
-            .total_memories(instances * 2)
-            .total_tables(instances * 4)
-            .total_stacks(instances)
-            .max_memory_size(limits.memory_bytes as usize)
-            // Slots are reset with madvise when a Store drops. Not `pagemap_scan`: in
-            // wasmtime 48 its reset skips written pages that are swapped out, which the next
-            // Store in the slot would read.
-            .table_elements(state::MAX_TABLE_ELEMENTS)
-            // Freed slots are reset in batches, with one `process_madvise` and one TLB flush
-            // on every CPU, rather than each with its own: eight at a time took consumption
-            // from 6,100 to 8,300 events/s (docs/bench/changes.md). A slot serves again only
-            // after its reset.
-            .decommit_batch_size(DECOMMIT_BATCH)
-            // A table is zeroed with memset up to this size instead of being decommitted:
-            // a guest's first call through a table reads the page, then writes it, and on a
-            // decommitted page that write is a copy-on-write fault with a TLB flush on every
-            // CPU. Wasm host CPU per command 351 -> 290 µs (docs/bench/changes.md).
-            .table_keep_resident(TABLE_KEEP_RESIDENT);
         let mut config = wasmtime::Config::new();
         config
             .wasm_component_model(true)
             .epoch_interruption(true)
             .max_wasm_stack(1024 * 1024)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool(&limits, PER_CALL)));
         let engine = Engine::new(&config)
             .map_err(anyhow::Error::from)
             .context("creating the Wasm engine")?;
@@ -301,8 +277,8 @@ impl Runtime {
             engine,
             linker,
             compiles: Arc::new(Semaphore::new(limits.max_concurrent_compiles.max(1) as usize)),
+            slots: Semaphore::new(limits.max_concurrent_calls as usize),
             limits: Arc::new(limits),
-            slots: Semaphore::new(slots as usize),
             cache,
         }))
     }
@@ -566,6 +542,55 @@ fn classify_trap(store: &Store<CallState>, error: wasmtime::Error) -> Trap {
     Trap::Fault(detail)
 }
 
+/// The most one call's component may hold. A component that needs more is refused when it
+/// is compiled, with its count in the error; the pool has this much for every call slot and
+/// the headroom, so that no plugin can fill it and leave other plugins' calls no room. (A
+/// component of 16 memories used to hold the room of 8 calls.) The example plugins hold 3
+/// core instances (Rust, JavaScript) or 14 (Python), 1 memory and 2 tables each.
+#[derive(Clone, Copy)]
+struct PerCall {
+    core_instances: u32,
+    memories: u32,
+    tables: u32,
+}
+
+const PER_CALL: PerCall = PerCall {
+    core_instances: 32,
+    memories: 2,
+    tables: 4,
+};
+
+/// The instance pool: room for `per_call` in every call slot, and headroom for manifest
+/// reads during loads.
+fn pool(limits: &Limits, per_call: PerCall) -> PoolingAllocationConfig {
+    let instances = limits.max_concurrent_calls + 32;
+    let mut pool = PoolingAllocationConfig::default();
+    pool.max_core_instances_per_component(per_call.core_instances)
+        .max_memories_per_component(per_call.memories)
+        .max_tables_per_component(per_call.tables)
+        .total_component_instances(instances)
+        .total_core_instances(instances * per_call.core_instances)
+        .total_memories(instances * per_call.memories)
+        .total_tables(instances * per_call.tables)
+        .total_stacks(instances)
+        .max_memory_size(limits.memory_bytes as usize)
+        // Slots are reset with madvise when a Store drops. Not `pagemap_scan`: in
+        // wasmtime 48 its reset skips written pages that are swapped out, which the next
+        // Store in the slot would read.
+        .table_elements(state::MAX_TABLE_ELEMENTS)
+        // Freed slots are reset in batches, with one `process_madvise` and one TLB flush
+        // on every CPU, rather than each with its own: eight at a time took consumption
+        // from 6,100 to 8,300 events/s (docs/bench/changes.md). A slot serves again only
+        // after its reset.
+        .decommit_batch_size(DECOMMIT_BATCH)
+        // A table is zeroed with memset up to this size instead of being decommitted:
+        // a guest's first call through a table reads the page, then writes it, and on a
+        // decommitted page that write is a copy-on-write fault with a TLB flush on every
+        // CPU. Wasm host CPU per command 351 -> 290 µs (docs/bench/changes.md).
+        .table_keep_resident(TABLE_KEEP_RESIDENT);
+    pool
+}
+
 /// Advances the engine's epoch every tick for as long as the engine exists.
 fn start_epoch_ticker(engine: &Engine) {
     let weak = engine.weak();
@@ -584,6 +609,44 @@ fn start_epoch_ticker(engine: &Engine) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A component may hold a call's share of the instance pool (`PER_CALL`) and no more: one
+    /// that needs more is refused when it is compiled, with its count in the error, so that
+    /// it cannot fill the pool and leave other plugins' calls no room. Before, one of 16
+    /// memories took the room of eight calls.
+    #[test]
+    fn a_component_over_a_calls_share_of_the_pool_is_refused_when_compiled() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let instances = |n: u32, module: &str| {
+            let mut wat = format!("(component (core module $m {module})");
+            for _ in 0..n {
+                wat.push_str(" (core instance (instantiate $m))");
+            }
+            wat.push(')');
+            wasmtime::component::Component::new(&runtime.engine, &wat).map_err(|e| format!("{e:#}"))
+        };
+        let share = PER_CALL;
+        assert!(instances(share.core_instances, "").is_ok());
+        assert!(instances(share.memories, "(memory 1)").is_ok());
+        assert!(instances(share.tables, "(table 1 funcref)").is_ok());
+        for (refused, what, most) in [
+            (
+                instances(share.core_instances + 1, ""),
+                "core module instances",
+                share.core_instances,
+            ),
+            (instances(share.memories + 1, "(memory 1)"), "memories", share.memories),
+            (instances(share.tables + 1, "(table 1 funcref)"), "tables", share.tables),
+        ] {
+            let error = refused
+                .err()
+                .unwrap_or_else(|| panic!("a component over its share of {what} compiled"));
+            assert!(
+                error.contains(what) && error.contains(&format!("maximum of {most}")),
+                "{error}"
+            );
+        }
+    }
 
     /// A plugin that sends ever-new large statements cannot grow the verdict cache past its
     /// byte bound.

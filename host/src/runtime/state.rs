@@ -162,16 +162,17 @@ impl ResourceLimiter for MemoryLimiter {
         Ok(desired <= MAX_TABLE_ELEMENTS)
     }
 
+    // What the pool lets a component hold (see `PER_CALL`), held to again for each Store.
     fn instances(&self) -> usize {
-        64
+        super::PER_CALL.core_instances as usize
     }
 
     fn tables(&self) -> usize {
-        64
+        super::PER_CALL.tables as usize
     }
 
     fn memories(&self) -> usize {
-        16
+        super::PER_CALL.memories as usize
     }
 }
 
