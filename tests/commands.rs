@@ -577,6 +577,42 @@ async fn a_command_whose_commit_is_refused_is_answered_500_not_503() {
     host.shutdown().await;
 }
 
+/// A command whose `COMMIT` is still running when `http.request_timeout` passes (a deferred
+/// trigger makes it take 3 s; the timeout is 2 s) is answered with its outcome. It was 503
+/// `timeout` while Postgres went on to commit it, and a client told 503 runs the command
+/// again. A commit that outlasts a second timeout is answered 504 `outcome_unknown`.
+#[tokio::test]
+async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_outcome() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.request_timeout = Duration::from_secs(2);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut session = host.plugin_session("testbed").await;
+    sqlx::raw_sql(
+        "CREATE TABLE slow_commit (id text, seconds float8); \
+         CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(NEW.seconds); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()",
+    )
+    .execute(&mut session)
+    .await
+    .unwrap();
+    let insert = |id: &str, seconds: f64| json!({ "mode": "execute", "sql": format!("INSERT INTO slow_commit (id, seconds) VALUES ('{id}', {seconds})") });
+    let a = host.command("testbed", "sql", insert("late", 3.0)).await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.slow_commit WHERE id = 'late'")
+            .await,
+        1
+    );
+
+    let a = host.command("testbed", "sql", insert("later", 5.0)).await;
+    assert_eq!((a.status, a.code()), (504, "outcome_unknown"), "{}", a.text);
+    host.shutdown().await;
+}
+
 /// A guest can hand `sql` a list of parameters that all are the same bytes of its memory,
 /// and each is copied whole: 512 parameters over one 8 MiB string would be 4 GiB for the host
 /// (a longer list, any amount). The host copies at most 128 MiB for one host call; past it

@@ -746,8 +746,8 @@ impl Config {
             advice.push(format!(
                 "http.request_timeout ({:?}) is shorter than a command may take (twice \
                  limits.call_deadline, plus limits.statement_timeout for the commit, plus 1s: {:?}): \
-                 a client may be answered 503 for a command that then commits; retries with an \
-                 Idempotency-Key stay safe",
+                 a command that would have succeeded may be cut off and answered 503 (one whose \
+                 commit has begun is waited for)",
                 self.http.request_timeout, command
             ));
         }

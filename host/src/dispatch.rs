@@ -11,6 +11,7 @@
 //!   plugin and no other.
 //! * A call that did not return `ok` never commits its effects.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,6 +30,18 @@ use crate::signal::Signal;
 use crate::text::clipped;
 use crate::trace::TraceContext;
 use tracing::Instrument;
+
+tokio::task_local! {
+    /// Set, within the work of [`noting_commit`], once a command's `COMMIT` has been sent.
+    static COMMIT_SENT: Arc<AtomicBool>;
+}
+
+/// Runs `work` (an HTTP request's) with `sent` set once a command's `COMMIT` is sent: from
+/// then on Postgres may commit whatever the host does, so that cutting the work off at a
+/// deadline would answer a failure for a command that took effect.
+pub async fn noting_commit<F: std::future::Future>(sent: Arc<AtomicBool>, work: F) -> F::Output {
+    COMMIT_SENT.scope(sent, work).await
+}
 
 pub struct Dispatcher {
     /// The host's own pool, for bookkeeping outside plugin transactions.
@@ -399,6 +412,7 @@ impl Dispatcher {
         if let Some((key, status, body)) = answer {
             idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
+        let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Release));
         tx.commit()
             .await
             .map_err(|e| match crate::db::refused_for_content(&e) {

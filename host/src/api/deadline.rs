@@ -1,6 +1,7 @@
 //! `http.request_timeout`, with the status that says whose time ran out: 408 when the
 //! request's body had not all arrived (the client was slow, and a retry on a better link may
-//! succeed), 503 when the host was still handling it.
+//! succeed), 503 when the host was still handling it, before any commit. A command already
+//! committing is given its outcome (see [`deadline`]).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,10 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 
 use super::error_response;
 
-/// Runs the request within `timeout`, which starts when its head has arrived.
+/// Runs the request within `timeout`, which starts when its head has arrived. A command
+/// whose `COMMIT` was sent by then is waited for one more `timeout` and answered with its
+/// outcome: Postgres commits it whatever the host does, and a client told 503 would run it
+/// again. Past that, 504 `outcome_unknown`.
 pub async fn deadline(State(timeout): State<Duration>, request: Request, next: Next) -> Response {
     let received = Arc::new(AtomicBool::new(request.body().is_end_stream()));
     let request = request.map(|body| {
@@ -26,24 +30,38 @@ pub async fn deadline(State(timeout): State<Duration>, request: Request, next: N
             received: received.clone(),
         })
     });
-    match tokio::time::timeout(timeout, next.run(request)).await {
-        Ok(response) => response,
-        Err(_) if !received.load(Ordering::Acquire) => {
-            let mut response = error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                "request_timeout",
-                "the request's body did not arrive within http.request_timeout",
-            );
-            // The rest of the body may still come: the connection cannot carry another request.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            response
-        }
-        Err(_) => error_response(
+    let committing = Arc::new(AtomicBool::new(false));
+    let run = crate::dispatch::noting_commit(committing.clone(), next.run(request));
+    tokio::pin!(run);
+    if let Ok(response) = tokio::time::timeout(timeout, &mut run).await {
+        return response;
+    }
+    if !received.load(Ordering::Acquire) {
+        let mut response = error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "the request's body did not arrive within http.request_timeout",
+        );
+        // The rest of the body may still come: the connection cannot carry another request.
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    }
+    if !committing.load(Ordering::Acquire) {
+        return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "timeout",
             "the request took longer than http.request_timeout",
+        );
+    }
+    match tokio::time::timeout(timeout, &mut run).await {
+        Ok(response) => response,
+        Err(_) => error_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            "outcome_unknown",
+            "the command's commit did not finish within twice http.request_timeout: it may have \
+             taken effect; a retry with the same Idempotency-Key answers what it came to",
         ),
     }
 }
