@@ -950,6 +950,45 @@ async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
     host.shutdown().await;
 }
 
+/// Plugin code that runs at a `COMMIT` (a deferred trigger) cannot make the commit run for
+/// ever. Postgres turns the statement timeout off before a `COMMIT` runs its deferred
+/// triggers, and a session may change its own timeouts anyway: the host bounds the commit's
+/// round trip (twice `statement_timeout` and a second) and ends the backend past it, which
+/// undoes the transaction. Before, a commit slept for an hour, holding its session, an open
+/// transaction (and with it the xmin horizon of the whole cluster) and the host's task.
+#[tokio::test]
+async fn plugin_code_at_commit_cannot_run_past_the_commits_bound() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(2)).await;
+    let mut tx = host.host.sessions.begin("testbed").await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE hang (n int); \
+         CREATE FUNCTION hang() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(3600); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER hang AFTER INSERT ON hang DEFERRABLE INITIALLY DEFERRED \
+           FOR EACH ROW EXECUTE FUNCTION hang(); \
+         SELECT set_config('statement_timeout', '0', false), set_config('lock_timeout', '0', false); \
+         INSERT INTO hang VALUES (1)",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let commit = tokio::time::timeout(Duration::from_secs(30), tx.commit()).await;
+    let took = started.elapsed();
+    let commit = commit.unwrap_or_else(|_| panic!("the commit still ran after {took:?}"));
+    assert!(commit.is_err(), "the commit was cancelled, not committed");
+    assert!(took < Duration::from_secs(10), "the commit ran for {took:?}");
+    let undone = "SELECT count(*) FROM pg_tables WHERE schemaname = 'testbed' AND tablename = 'hang'";
+    assert_eq!(host.count(undone).await, 0, "the transaction was undone, table and all");
+    let role = host.plugin_role("testbed").await;
+    let sleeping = format!("SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND state = 'active'");
+    eventually(Duration::from_secs(10), "the backend is ended", || async {
+        host.count(&sleeping).await == 0
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// Plugin code can still run at a `COMMIT`, after everything the host sends before it: a
 /// deferred constraint trigger. What it leaves on the session is cleared at the session's
 /// next `BEGIN`, and a session where it made a prepared statement is closed then.

@@ -110,6 +110,10 @@ pub enum CommandError {
     Busy,
     #[error("the host could not reach its database")]
     Database(#[source] anyhow::Error),
+    /// The commit's connection failed, or the host ended a commit that ran past its bound:
+    /// the command may have taken effect.
+    #[error("the command's commit did not complete: it may have taken effect; a retry with the same Idempotency-Key answers what it came to")]
+    OutcomeUnknown(String),
 }
 
 impl CommandError {
@@ -122,7 +126,7 @@ impl CommandError {
             IdempotencyKeyReused => 422,
             HandlerFailed(_) | Aborted(_) | Trapped(_) | MemoryLimit(_) | InvalidResponse(_) => 500,
             Busy | Database(_) => 503,
-            Deadline => 504,
+            Deadline | OutcomeUnknown(_) => 504,
         }
     }
 
@@ -142,6 +146,7 @@ impl CommandError {
             IdempotencyKeyReused => "idempotency_key_reused",
             Busy => "busy",
             Database(_) => "database_unavailable",
+            OutcomeUnknown(_) => "outcome_unknown",
         }
     }
 
@@ -158,7 +163,9 @@ impl CommandError {
     fn detail(&self) -> Option<&str> {
         use CommandError::*;
         match self {
-            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) => Some(d),
+            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) | OutcomeUnknown(d) => {
+                Some(d)
+            }
             _ => None,
         }
     }
@@ -415,11 +422,13 @@ impl Dispatcher {
         let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Release));
         tx.commit()
             .await
-            .map_err(|e| match crate::db::refused_for_content(&e) {
+            .map_err(|e| match (crate::db::refused_for_content(&e), e.as_database_error()) {
                 // The same every time: the handler's doing (a deferred constraint or trigger),
                 // not a database to retry against.
-                true => CommandError::Aborted(format!("the commit was refused: {e}")),
-                false => db_error(e),
+                (true, _) => CommandError::Aborted(format!("the commit was refused: {e}")),
+                // No answer from Postgres: the commit may have gone through.
+                (false, None) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
+                (false, Some(_)) => db_error(e),
             })?;
         if !events.is_empty() {
             plugin.identity.metrics().events_written.increment(events.len() as u64);

@@ -21,6 +21,10 @@ pub struct Login {
     /// The role's own settings again, as startup options: they come after any the database
     /// URL carries, so the URL cannot loosen them.
     pub settings: Vec<(&'static str, String)>,
+    /// The longest a commit's round trip may take before the host ends its backend.
+    /// Postgres times no part of a `COMMIT`: `statement_timeout` is off while the deferred
+    /// triggers it runs execute, and those are plugin code.
+    pub commit_within: std::time::Duration,
 }
 
 impl std::fmt::Debug for Login {

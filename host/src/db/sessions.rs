@@ -76,6 +76,12 @@ const BEGIN: &str = "BEGIN; SELECT * FROM obx_api.call_begin()";
 /// during a call can only act within the plugin's own call, and the session is closed before
 /// it serves another.
 const CHECK: &str = "SELECT * FROM obx_api.call_check()";
+/// Sent first in a commit's round trip: the session's timeouts back to the host's (its
+/// startup options, which a plugin's `ALTER ROLE … SET` does not reach), which a session
+/// may change, so that the host's statements before the `COMMIT` are held to them. The
+/// `COMMIT` itself is not (Postgres turns the statement timeout off before the deferred
+/// triggers it runs): the host bounds the round trip ([`Login::commit_within`]).
+const TIMEOUTS: &str = "RESET statement_timeout; RESET lock_timeout";
 /// Clears what a statement could leave on a session: cursors, `LISTEN`s, settings and the
 /// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
 /// same round trip, so that it also clears what plugin code did during the commit.
@@ -196,12 +202,12 @@ impl Sessions {
     }
 
     async fn try_begin(&self, name: &str, then: &str) -> Result<(PluginTx, Vec<PgRow>), SessionError> {
-        let (role, pool) = self
+        let (role, commit_within, pool) = self
             .pools
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
-            .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), pool.clone()))
+            .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), login.commit_within, pool.clone()))
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
         let mut last_gone = None;
         // Sessions are not pinged before use, so after a server restart every idle one is
@@ -238,6 +244,7 @@ impl Sessions {
                         host: self.host.clone(),
                         poisoned: false,
                         at_commit: String::new(),
+                        commit_within,
                     };
                     return Ok((tx, rows));
                 }
@@ -355,11 +362,15 @@ pub struct PluginTx {
     poisoned: bool,
     /// Host statements to run at the commit, in its round trip ([`PluginTx::write_at_commit`]).
     at_commit: String,
+    /// The longest the commit's round trip may take ([`Login::commit_within`]).
+    commit_within: Duration,
 }
 
 impl PluginTx {
-    /// Commits and clears the session. On error nothing was committed (the commit is the
-    /// last statement), and the session is closed.
+    /// Commits and clears the session. On an error from Postgres nothing was committed (the
+    /// commit is the last statement), and the session is closed. On any other error (the
+    /// connection failed, or the round trip ran past [`Login::commit_within`] and the host
+    /// ended the backend) the commit may have gone through.
     pub async fn commit(mut self) -> sqlx::Result<()> {
         if self.poisoned {
             return Err(sqlx::Error::Protocol("the plugin session was abandoned".into()));
@@ -400,9 +411,18 @@ impl PluginTx {
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
             let sent = Instant::now();
-            let rows = (&mut **conn)
-                .fetch_all(format!("{CHECK}; {at_commit}COMMIT; {CLEAR}").as_str())
-                .await;
+            let sql = format!("{TIMEOUTS}; {CHECK}; {at_commit}COMMIT; {CLEAR}");
+            let round_trip = (&mut **conn).fetch_all(sql.as_str());
+            let Ok(rows) = tokio::time::timeout(self.commit_within, round_trip).await else {
+                // Plugin code at the commit (a deferred trigger) that runs on: `Drop` ends the
+                // backend, which undoes the transaction unless its commit record was written.
+                self.poisoned = true;
+                warn_if_slow(&self.role, "commit", sent, false);
+                return Err(sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the commit ran past {:?}; its session was ended", self.commit_within),
+                )));
+            };
             warn_if_slow(&self.role, "commit", sent, rows.is_ok());
             let rows = rows?;
             let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;

@@ -171,6 +171,9 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         role,
         password,
         settings,
+        // The statements before the `COMMIT` have a statement timeout each; the deferred
+        // triggers the `COMMIT` runs have none, and a second one is theirs.
+        commit_within: limits.statement_timeout * 2 + std::time::Duration::from_secs(1),
     })
 }
 
