@@ -15,8 +15,9 @@
 //!   rollback, after it: what plugin code does during a `COMMIT` is cleared too. Session
 //!   advisory locks are released, and prepared statements counted, again at the next call's
 //!   `BEGIN`: a session found with one then is closed.
-//!   A session whose transaction did not end cleanly is closed, never reused; one that may
-//!   still be running a statement is also terminated.
+//!   A session whose transaction did not end cleanly is closed, never reused, and its
+//!   backend terminated: it may still be running a statement. A commit's round trip is
+//!   bounded by the host ([`Login`]'s `commit_within`): Postgres times no part of a `COMMIT`.
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
@@ -378,6 +379,12 @@ impl PluginTx {
         self.finish(true).await
     }
 
+    /// Bounds the commit's round trip by `d` instead of [`Login::commit_within`] (a plugin's
+    /// migrations, whose statements are not held to a handler's timeout either).
+    pub fn commit_within(&mut self, d: Duration) {
+        self.commit_within = d;
+    }
+
     /// Has the commit run `statement` (host SQL, as text: see [`crate::db::literal`]) just
     /// before its `COMMIT`, in the same round trip, after those given before it. A statement
     /// that fails fails the commit. A rollback drops them unrun.
@@ -495,14 +502,12 @@ impl DerefMut for PluginTx {
 
 impl Drop for PluginTx {
     fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else {
+        let Some(conn) = self.conn.take() else {
             return;
         };
-        if self.poisoned {
-            terminate(conn, self.pid, self.role.clone(), self.host.clone());
-        } else {
-            // Still in its transaction: never back to the pool.
-            conn.close_on_drop();
-        }
+        // Still in its transaction: never back to the pool. It may also be running a
+        // statement (a caller cut off by its own deadline), which a closed socket stops only
+        // as soon as the backend checks, on a setting the plugin may have changed: ended.
+        terminate(conn, self.pid, self.role.clone(), self.host.clone());
     }
 }

@@ -316,6 +316,7 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
     (&mut *tx)
         .execute("SET LOCAL statement_timeout = '10min'; SET LOCAL lock_timeout = 0")
         .await?;
+    tx.commit_within(std::time::Duration::from_secs(10 * 60));
     let applied: Vec<(i32, Vec<u8>)> = sqlx::query_as("SELECT id, checksum FROM obx_api.migrations_applied()")
         .fetch_all(&mut *tx)
         .await?;
