@@ -87,6 +87,40 @@ async fn a_cancelled_timer_never_fires() {
     host.shutdown().await;
 }
 
+/// A timer that an earlier timer of the same batch rescheduled (or cancelled) does not fire
+/// on the schedule it was taken with. The batch read its due timers once, so `b`, moved ten
+/// minutes ahead by `a`'s handler, fired at once anyway, and again ten minutes later.
+#[tokio::test]
+async fn a_timer_rescheduled_by_another_of_its_batch_fires_on_its_new_schedule_only() {
+    let host = spawn_host(&["testbed"]).await;
+    let a = json!({ "name": "a", "key": "k", "delay_ms": 60_000, "payload": { "then": { "name": "b", "delay_ms": 600_000 } } });
+    assert_eq!(schedule(&host, a).await, 200);
+    assert_eq!(
+        schedule(&host, json!({ "name": "b", "key": "k", "delay_ms": 60_000 })).await,
+        200
+    );
+    // Due together, `a` first, so that one batch takes both.
+    let due = host
+        .count(
+            "WITH u AS (UPDATE obx.timer SET due_at = now() - CASE name WHEN 'a' THEN interval '1 s' ELSE interval '0' END \
+             RETURNING 1) SELECT count(*) FROM u",
+        )
+        .await;
+    assert_eq!(due, 2);
+    eventually(Duration::from_secs(10), "a fires", || async { fired(&host).await >= 1 }).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM testbed.timers_fired ORDER BY at")
+        .fetch_all(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(names, ["a"], "b fired on the schedule a replaced");
+    let ahead = host
+        .count("SELECT count(*) FROM obx.timer WHERE name = 'b' AND due_at > now() + interval '9 min'")
+        .await;
+    assert_eq!(ahead, 1, "b waits for its new due time");
+    host.shutdown().await;
+}
+
 /// A handler that fails is called again after a backoff, each attempt rolled back, and the
 /// timer is parked after `consumer.max_attempts`, with its error, and fires no more.
 #[tokio::test]

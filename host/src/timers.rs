@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sqlx::Executor as _;
+use sqlx::{Executor as _, Row as _};
 use tokio::sync::watch;
 
 use crate::config::ConsumerConfig;
@@ -304,18 +304,24 @@ impl TimerService {
         let mut emitted = Vec::with_capacity(due.len());
         let mut done = Vec::with_capacity(due.len());
         let (mut busy, mut ran) = (false, 0);
-        for due in due {
+        for (at, due) in due.into_iter().enumerate() {
             if started.elapsed() > BATCH_BUDGET || *self.shutdown.borrow() {
                 // The rest stay due; the commit below releases their rows.
                 break;
             }
-            match self.fire_one(plugin, tx, &due).await? {
+            // Handlers before it in the batch may have rescheduled or cancelled it.
+            let check = at > 0;
+            match self.fire_one(plugin, tx, &due, check).await? {
                 Fired::Done(back, e) => {
                     tx = back;
                     emitted.push(e);
                     done.push(due);
                 }
                 Fired::Failed(back) => tx = back,
+                Fired::Gone(back) => {
+                    tx = back;
+                    continue;
+                }
                 Fired::Busy(back) => {
                     tx = back;
                     busy = true;
@@ -371,10 +377,23 @@ impl TimerService {
         Ok(Batch::Fired)
     }
 
-    /// Runs one timer's handler behind a savepoint of `tx`.
-    async fn fire_one(&self, plugin: &Plugin, mut tx: PluginTx, due: &Due) -> anyhow::Result<Fired> {
+    /// Runs one timer's handler behind a savepoint of `tx`; if `check`, only if the timer is
+    /// still as the batch took it (in the savepoint's round trip).
+    async fn fire_one(&self, plugin: &Plugin, mut tx: PluginTx, due: &Due, check: bool) -> anyhow::Result<Fired> {
         let name = &plugin.manifest.name;
-        tx.execute("SAVEPOINT obx_timer").await?;
+        if check {
+            let mut sql = String::from("SAVEPOINT obx_timer; SELECT obx_api.timer_current(");
+            crate::db::literal::push_text(&mut sql, &due.name);
+            sql.push_str(", ");
+            crate::db::literal::push_text(&mut sql, &due.key);
+            sql.push_str(&format!(", {})", due.generation));
+            let current: bool = tx.fetch_one(sql.as_str()).await?.try_get(0)?;
+            if !current {
+                return Ok(Fired::Gone(tx));
+            }
+        } else {
+            tx.execute("SAVEPOINT obx_timer").await?;
+        }
         let attempt = attempt_of(due);
         let lateness = (chrono::Utc::now() - due.due_at).num_microseconds().unwrap_or(0).max(0);
         metrics::histogram!("obx_timer_lateness_seconds", "plugin" => name.clone()).record(lateness as f64 / 1e6);
@@ -491,6 +510,8 @@ enum Fired {
     Failed(PluginTx),
     /// There was no call slot: rolled back, not counted; the batch stops here.
     Busy(PluginTx),
+    /// A handler before it in the batch rescheduled or cancelled it: not fired.
+    Gone(PluginTx),
 }
 
 /// The attempt a firing of `due` is: one more than its recorded failures.
