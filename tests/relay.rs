@@ -680,6 +680,91 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     host.shutdown().await;
 }
 
+/// Rows the broker never answers (here, of a topic whose partitions have no leader) neither
+/// hold up the other topics nor replace the producer under them: past `stall_timeout` each is
+/// recorded as failing (counted, with the reason, and its key waits on its topic) and tried
+/// again after a backoff. Before, they stayed at the head of every claim: with a batch's worth
+/// of them nothing else was ever published, and the producer was replaced every
+/// `stall_timeout`, sending every row in flight again.
+#[tokio::test]
+async fn rows_the_broker_never_answers_hold_up_only_their_own_keys() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to take a partition's leader away");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.batch_size = 20;
+        c.relay.ack_timeout = Duration::from_millis(500);
+        c.relay.stall_timeout = Duration::from_secs(1);
+        c.relay.backoff_max = Duration::from_secs(2);
+    })
+    .await;
+    let (dead, alive) = (host.topic(&topic("alpha")), host.topic(&topic("beta")));
+    broker.create_topic(&dead).await;
+    broker.create_topic(&alive).await;
+    for p in 0..4 {
+        mock.lead(&dead, p, None).unwrap();
+    }
+    let keys: Vec<String> = (0..30).map(|k| format!("k{k}")).collect();
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "dead", "topic": topic("alpha"), "keys": keys }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // While the other topic's rows flow (one every 200 ms for 3 s), the producer reports
+    // deliveries and is not replaced under them.
+    let rebuilds = producer_rebuilds();
+    for i in 0..15 {
+        let a = host
+            .command(
+                "testbed",
+                "emit",
+                json!({ "id": format!("alive{i}"), "topic": topic("beta"), "key": "b" }),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eventually(
+        Duration::from_secs(15),
+        "the other topic's rows are published",
+        || async {
+            host.count(
+                "SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL AND topic = 'testbed.beta'",
+            )
+            .await
+                == 15
+        },
+    )
+    .await;
+    assert_eq!(
+        producer_rebuilds(),
+        rebuilds,
+        "the producer was replaced under the live topic"
+    );
+    let failing = host.get("/v1/status").await;
+    assert!(
+        failing.body["outbox"]["rows_failing"].as_i64() > Some(0),
+        "{}",
+        failing.text
+    );
+    // The partitions get their leader back: every row goes out, once, each key in order.
+    for p in 0..4 {
+        mock.lead(&dead, p, Some(1)).unwrap();
+    }
+    all_published(&host, 45).await;
+    let messages = consume(&broker.bootstrap, &dead, 1000, Duration::from_secs(8)).await;
+    let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
+    assert_eq!(ids.len(), 30, "every event of the dead topic on the broker");
+    host.shutdown().await;
+}
+
 /// A row that waits for another attempt holds up the later rows of its key on its own topic
 /// only: a key is ordered within a topic, and another topic may be another plugin's.
 #[tokio::test]

@@ -165,6 +165,13 @@ impl MockBroker {
         self.0.request_errors(api, &vec![error; count]);
     }
 
+    /// Makes `partition` of `topic` leaderless (`leader` `None`), or led by broker `leader`:
+    /// a partition without a leader takes no messages, and its producers wait.
+    pub fn lead(&self, topic: &str, partition: i32, leader: Option<i32>) -> Result<()> {
+        self.0.partition_leader(topic, partition, leader)?;
+        Ok(())
+    }
+
     /// Creates a topic with a given number of partitions.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
         self.0.create_topic(topic, partitions, 1)?;

@@ -216,13 +216,40 @@ enum Outcome {
     Waiting,
 }
 
-/// A row sent and not yet acknowledged.
+/// A row sent and not yet acknowledged. Its report is collected by the steps that follow,
+/// whatever they claim; claims pass it by.
 struct Inflight {
     shard: i32,
     sent: Instant,
     delivery: DeliveryFuture,
     /// From the send to the broker's answer, when spans are exported.
     span: Option<otel::Span>,
+    /// What marking it, or recording its failure, needs of the row.
+    row: SentRow,
+    /// Recorded as unanswered (past `stall_timeout`) since it was sent.
+    unanswered: bool,
+}
+
+/// The parts of a sent row that its delivery report is settled with.
+#[derive(Clone)]
+struct SentRow {
+    id: i64,
+    event_id: uuid::Uuid,
+    topic: String,
+    partition_key: String,
+    created_at: DateTime<Utc>,
+}
+
+impl SentRow {
+    fn of(row: &OutboxRow) -> SentRow {
+        SentRow {
+            id: row.id,
+            event_id: row.event_id,
+            topic: row.topic.clone(),
+            partition_key: row.partition_key.clone(),
+            created_at: row.created_at,
+        }
+    }
 }
 
 struct State {
@@ -241,6 +268,8 @@ struct State {
     next_delayed: Option<Duration>,
     /// Steps in a row whose release of due delayed events was held up by a lock.
     release_held: u32,
+    /// When the producer last reported a delivery, acknowledged or refused.
+    last_report: Option<Instant>,
 }
 
 impl Relay {
@@ -256,6 +285,7 @@ impl Relay {
             last_step: None,
             next_delayed: None,
             release_held: 0,
+            last_report: None,
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -352,7 +382,11 @@ impl Relay {
             let Some(oldest) = st.inflight.values().map(|f| f.sent).min() else {
                 return Ok(());
             };
-            if oldest.elapsed() < self.config.stall_timeout {
+            // A producer that still reports deliveries works: its unanswered rows wait on
+            // their partitions (one without a leader, a topic the broker does not know), and
+            // a new producer would wait as it does, after sending every row again.
+            let reporting = st.last_report.is_some_and(|t| t.elapsed() < self.config.stall_timeout);
+            if oldest.elapsed() < self.config.stall_timeout || reporting {
                 return Ok(());
             }
             format!(
@@ -457,6 +491,7 @@ impl Relay {
             "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.published_at IS NULL \
                AND obx.outbox_shard(o.partition_key) = ANY($1) \
+               AND o.id <> ALL($3) \
                AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
                                WHERE f.topic = o.topic AND f.partition_key = o.partition_key \
                                  AND f.outbox_id <= o.id \
@@ -468,9 +503,10 @@ impl Relay {
         ))
         .bind(&shards)
         .bind(self.config.batch_size as i64)
+        .bind(st.inflight.keys().copied().collect::<Vec<i64>>())
         .fetch_all(&mut *tx)
         .await?;
-        if rows.is_empty() {
+        if rows.is_empty() && st.inflight.is_empty() {
             tx.commit().await?;
             return Ok(Outcome::Idle);
         }
@@ -492,16 +528,12 @@ impl Relay {
 
         // Send, in id order. A key whose row could not be queued sends nothing after it.
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
-        let mut refused: Vec<(&OutboxRow, Refusal)> = Vec::new();
+        let mut refused: Vec<(SentRow, Refusal)> = Vec::new();
         // Topics the broker does not know: created (where allowed) before the next attempt.
         let mut unknown_topics: Vec<String> = Vec::new();
-        let mut sent: Vec<&OutboxRow> = Vec::with_capacity(rows.len());
         for (row, topic) in rows.iter().zip(&topics) {
-            if blocked.contains(&(row.topic.as_str(), row.partition_key.as_str())) {
-                continue;
-            }
-            if st.inflight.contains_key(&row.id) {
-                sent.push(row);
+            if blocked.contains(&(row.topic.as_str(), row.partition_key.as_str())) || st.inflight.contains_key(&row.id)
+            {
                 continue;
             }
             match producer.send_result(row.record(topic, row.headers(&self.kafka.cloudevents))) {
@@ -511,9 +543,10 @@ impl Relay {
                         sent: Instant::now(),
                         delivery,
                         span: row.publish_span(topic),
+                        row: SentRow::of(row),
+                        unanswered: false,
                     };
                     st.inflight.insert(row.id, inflight);
-                    sent.push(row);
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                     // Back-pressure, not a fault of the row: stop queueing for this step.
@@ -522,12 +555,12 @@ impl Relay {
                 }
                 Err((e, _)) => {
                     blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
-                    refused.push((row, Refusal::of(&e)));
+                    refused.push((SentRow::of(row), Refusal::of(&e)));
                 }
             }
         }
 
-        // Collect the delivery reports.
+        // Collect the delivery reports of every row in flight, this step's and earlier ones'.
         let sent_at = started.elapsed();
         // Rows stalled past `stall_timeout` are waited for a second at a time, so that the
         // producer is checked (and replaced) soon after the broker is back.
@@ -541,45 +574,64 @@ impl Relay {
             self.config.ack_timeout
         };
         let deadline = tokio::time::Instant::now() + wait;
-        let mut acked: Vec<&OutboxRow> = Vec::with_capacity(sent.len());
+        let mut acked: Vec<SentRow> = Vec::new();
         let mut pending = 0usize;
-        for row in sent {
-            let Some(inflight) = st.inflight.get_mut(&row.id) else {
+        // Rows in flight past `stall_timeout` with no answer (a partition without a leader, a
+        // topic the broker does not know): recorded as failing once per send, so that they
+        // are counted and their keys wait on their topics; still in flight.
+        let mut unanswered: Vec<(SentRow, Refusal)> = Vec::new();
+        let mut ids: Vec<i64> = st.inflight.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let inflight = st.inflight.get_mut(&id).expect("listed above");
+            // A row already recorded as unanswered is only asked, not waited for: it must not
+            // slow the steps of the others.
+            let known = inflight.unanswered;
+            let until = if known { tokio::time::Instant::now() } else { deadline };
+            let Ok(result) = tokio::time::timeout_at(until, &mut inflight.delivery).await else {
+                if known {
+                    continue;
+                }
+                let waited = inflight.sent.elapsed();
+                if waited >= self.config.stall_timeout {
+                    inflight.unanswered = true;
+                    unanswered.push((inflight.row.clone(), Refusal::unanswered(waited)));
+                } else {
+                    pending += 1;
+                }
                 continue;
             };
-            match tokio::time::timeout_at(deadline, &mut inflight.delivery).await {
-                Err(_) => pending += 1,
-                Ok(result) => {
-                    let mut span = st.inflight.remove(&row.id).expect("looked up above").span;
-                    match result {
-                        Ok(Ok(delivery)) => {
-                            if let Some(span) = &mut span {
-                                span.set("messaging.destination.partition.id", delivery.partition.to_string());
-                                span.set("messaging.kafka.offset", delivery.offset);
-                            }
-                            // Commit-to-ack: from the row's insert, just before its commit.
-                            let latency = (Utc::now() - row.created_at).num_microseconds().unwrap_or(0).max(0);
-                            metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency as f64 / 1e6);
-                            acked.push(row)
-                        }
-                        Ok(Err((e, _))) => {
-                            if let Some(span) = &mut span {
-                                span.fail(e.to_string());
-                            }
-                            let topic = format!("{}{}", self.kafka.topic_prefix, row.topic);
-                            if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition)
-                                && !unknown_topics.contains(&topic)
-                            {
-                                unknown_topics.push(topic);
-                            }
-                            refused.push((row, Refusal::of(&e)));
-                        }
-                        // The producer that sent it is gone; the row is sent again.
-                        Err(_canceled) => {
-                            if let Some(span) = &mut span {
-                                span.fail(RESENT);
-                            }
-                        }
+            st.last_report = Some(Instant::now());
+            let Inflight { mut span, row, .. } = st.inflight.remove(&id).expect("listed above");
+            match result {
+                Ok(Ok(delivery)) => {
+                    if let Some(span) = &mut span {
+                        span.set("messaging.destination.partition.id", delivery.partition.to_string());
+                        span.set("messaging.kafka.offset", delivery.offset);
+                    }
+                    // Commit-to-ack: from the row's insert, just before its commit.
+                    let latency = (Utc::now() - row.created_at).num_microseconds().unwrap_or(0).max(0);
+                    metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency as f64 / 1e6);
+                    acked.push(row)
+                }
+                Ok(Err((e, _))) => {
+                    if let Some(span) = &mut span {
+                        span.fail(e.to_string());
+                    }
+                    let topic = format!("{}{}", self.kafka.topic_prefix, row.topic);
+                    let unknown = matches!(
+                        e.rdkafka_error_code(),
+                        Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic)
+                    );
+                    if unknown && !unknown_topics.contains(&topic) {
+                        unknown_topics.push(topic);
+                    }
+                    refused.push((row, Refusal::of(&e)));
+                }
+                // The producer that sent it is gone; the row is sent again.
+                Err(_canceled) => {
+                    if let Some(span) = &mut span {
+                        span.fail(RESENT);
                     }
                 }
             }
@@ -599,6 +651,9 @@ impl Relay {
         }
         if !refused.is_empty() {
             self.record_refusals(&mut tx, &refused).await?;
+        }
+        if !unanswered.is_empty() {
+            self.record_refusals(&mut tx, &unanswered).await?;
         }
         tx.commit().await?;
         for topic in &unknown_topics {
@@ -632,7 +687,7 @@ impl Relay {
 impl Relay {
     /// Records refused rows: for a later attempt with backoff (their key waits), or, when
     /// the broker will never take them, set aside (their key moves on).
-    async fn record_refusals(&self, conn: &mut PgConnection, refused: &[(&OutboxRow, Refusal)]) -> Result<()> {
+    async fn record_refusals(&self, conn: &mut PgConnection, refused: &[(SentRow, Refusal)]) -> Result<()> {
         for (row, r) in refused {
             if r.permanent {
                 tracing::error!(id = row.id, event_id = %row.event_id, topic = %row.topic, error = %r.error,
@@ -684,6 +739,18 @@ struct Refusal {
 }
 
 impl Refusal {
+    /// A row in flight for `waited` with no answer from the broker.
+    fn unanswered(waited: Duration) -> Refusal {
+        Refusal {
+            error: format!(
+                "no answer from the broker for {:.1?} (a partition without a leader, or a topic the broker \
+                 does not know?); the row is still in flight",
+                waited
+            ),
+            permanent: false,
+        }
+    }
+
     fn of(e: &KafkaError) -> Refusal {
         use RDKafkaErrorCode as C;
         let permanent = matches!(
