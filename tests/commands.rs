@@ -577,17 +577,9 @@ async fn a_command_whose_commit_is_refused_is_answered_500_not_503() {
     host.shutdown().await;
 }
 
-/// A command whose `COMMIT` is still running when `http.request_timeout` passes (a deferred
-/// trigger makes it take 3 s; the timeout is 2 s) is answered with its outcome. It was 503
-/// `timeout` while Postgres went on to commit it, and a client told 503 runs the command
-/// again. A commit that outlasts a second timeout is answered 504 `outcome_unknown`.
-#[tokio::test]
-async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_outcome() {
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.http.request_timeout = Duration::from_secs(2);
-        c.limits.statement_timeout = Duration::from_secs(30);
-    })
-    .await;
+/// Makes, on the testbed plugin's session (as a plugin past the SQL policy could), the table
+/// `slow_commit` whose deferred trigger sleeps at commit for its row's `seconds`.
+async fn make_slow_commit(host: &TestHost) {
     let mut session = host.plugin_session("testbed").await;
     sqlx::raw_sql(
         "CREATE TABLE slow_commit (id text, seconds float8); \
@@ -599,8 +591,60 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
     .execute(&mut session)
     .await
     .unwrap();
-    let insert = |id: &str, seconds: f64| json!({ "mode": "execute", "sql": format!("INSERT INTO slow_commit (id, seconds) VALUES ('{id}', {seconds})") });
-    let a = host.command("testbed", "sql", insert("late", 3.0)).await;
+}
+
+/// The testbed `sql` command whose commit takes `seconds` (see [`make_slow_commit`]).
+fn slow_commit(id: &str, seconds: f64) -> serde_json::Value {
+    json!({ "mode": "execute", "sql": format!("INSERT INTO slow_commit (id, seconds) VALUES ('{id}', {seconds})") })
+}
+
+/// A request whose `Idempotency-Key` another request still holds (that one's commit takes
+/// 3 s; the claim waits the role's 1 s lock timeout) is answered 409
+/// `idempotency_key_in_use`: the key's owner is running, and the database is fine. It was 503
+/// `database_unavailable`. The owner then commits, and a retry replays its answer.
+#[tokio::test]
+async fn a_request_whose_key_another_still_holds_is_answered_409_in_use() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(10)).await;
+    make_slow_commit(&host).await;
+    let first = host.command_with_key("testbed", "sql", slow_commit("held", 3.0), "k-held");
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        host.command_with_key("testbed", "sql", slow_commit("held", 3.0), "k-held")
+            .await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert_eq!(
+        (second.status, second.code()),
+        (409, "idempotency_key_in_use"),
+        "{}",
+        second.text
+    );
+    let retry = host
+        .command_with_key("testbed", "sql", slow_commit("held", 3.0), "k-held")
+        .await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(
+        retry.headers.get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(host.count("SELECT count(*) FROM testbed.slow_commit").await, 1);
+    host.shutdown().await;
+}
+
+/// A command whose `COMMIT` is still running when `http.request_timeout` passes (a deferred
+/// trigger makes it take 3 s; the timeout is 2 s) is answered with its outcome. It was 503
+/// `timeout` while Postgres went on to commit it, and a client told 503 runs the command
+/// again. A commit that outlasts a second timeout is answered 504 `outcome_unknown`.
+#[tokio::test]
+async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_outcome() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.request_timeout = Duration::from_secs(2);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    make_slow_commit(&host).await;
+    let a = host.command("testbed", "sql", slow_commit("late", 3.0)).await;
     assert_eq!(a.status, 200, "{}", a.text);
     assert_eq!(
         host.count("SELECT count(*) FROM testbed.slow_commit WHERE id = 'late'")
@@ -608,8 +652,36 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
         1
     );
 
-    let a = host.command("testbed", "sql", insert("later", 5.0)).await;
+    let a = host.command("testbed", "sql", slow_commit("later", 5.0)).await;
     assert_eq!((a.status, a.code()), (504, "outcome_unknown"), "{}", a.text);
+    host.shutdown().await;
+}
+
+/// A handler's error text is the plugin's to make as long as its memory allows; the client,
+/// the stored answer of an `Idempotency-Key` and the log get its first 4 KiB. An 8 MiB
+/// rejection went whole into each (and a body of 1 MiB echoed back cost 1 MiB per answer).
+#[tokio::test]
+async fn a_handlers_error_text_is_cut_before_it_reaches_the_client_and_the_stored_answer() {
+    let host = spawn_host(&["testbed"]).await;
+    let a = host
+        .command_with_key("testbed", "reject", json!({ "id": "long", "bytes": 8 << 20 }), "k-long")
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (409, "rejected"),
+        "{}",
+        &a.text[..200.min(a.text.len())]
+    );
+    assert!(a.text.len() < 16 << 10, "the answer is {} bytes", a.text.len());
+    assert!(
+        a.text.contains("bytes)"),
+        "the cut says so: {}",
+        &a.text[a.text.len().saturating_sub(100)..]
+    );
+    let stored = host
+        .count("SELECT coalesce(max(octet_length(response)), 0)::bigint FROM obx.idempotency_key")
+        .await;
+    assert!(stored > 0 && stored < 16 << 10, "the stored answer is {stored} bytes");
     host.shutdown().await;
 }
 

@@ -106,6 +106,8 @@ pub enum CommandError {
     InvalidResponse(String),
     #[error("this Idempotency-Key was used with a different request")]
     IdempotencyKeyReused,
+    #[error("a request with this Idempotency-Key is still running; retry when it has been answered")]
+    IdempotencyKeyInUse,
     #[error("the host is at capacity; retry later")]
     Busy,
     #[error("the host could not reach its database")]
@@ -121,7 +123,7 @@ impl CommandError {
         use CommandError::*;
         match self {
             UnknownPlugin(_) | UnknownCommand { .. } => 404,
-            Rejected { .. } => 409,
+            Rejected { .. } | IdempotencyKeyInUse => 409,
             InvalidInput(_) => 400,
             IdempotencyKeyReused => 422,
             HandlerFailed(_) | Aborted(_) | Trapped(_) | MemoryLimit(_) | InvalidResponse(_) => 500,
@@ -144,6 +146,7 @@ impl CommandError {
             Deadline => "deadline_exceeded",
             InvalidResponse(_) => "invalid_response",
             IdempotencyKeyReused => "idempotency_key_reused",
+            IdempotencyKeyInUse => "idempotency_key_in_use",
             Busy => "busy",
             Database(_) => "database_unavailable",
             OutcomeUnknown(_) => "outcome_unknown",
@@ -171,15 +174,22 @@ impl CommandError {
     }
 }
 
+/// A handler's error, with what the guest wrote cut at [`MAX_GUEST_TEXT`] bytes: it goes to
+/// the client, into the stored answer of an `Idempotency-Key` and into the log, and its
+/// length is the plugin's choice (up to its memory limit).
 impl From<HandlerError> for CommandError {
     fn from(e: HandlerError) -> CommandError {
+        let cut = |text: String| match text.len() <= MAX_GUEST_TEXT {
+            true => text,
+            false => clipped(&text, MAX_GUEST_TEXT).into_owned(),
+        };
         match e {
             HandlerError::Rejected(r) => CommandError::Rejected {
-                reason: r.code,
-                message: r.message,
+                reason: cut(r.code),
+                message: cut(r.message),
             },
-            HandlerError::InvalidInput(m) => CommandError::InvalidInput(m),
-            HandlerError::Failed(m) => CommandError::HandlerFailed(m),
+            HandlerError::InvalidInput(m) => CommandError::InvalidInput(cut(m)),
+            HandlerError::Failed(m) => CommandError::HandlerFailed(cut(m)),
         }
     }
 }
@@ -386,7 +396,16 @@ impl Dispatcher {
         };
         let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
         let claim = idempotency::claim_statements(key, &hash, HANDLER_SAVEPOINT);
-        let (tx, rows) = self.sessions.begin_then(plugin, &claim).await.map_err(db_error)?;
+        let (tx, rows) = self.sessions.begin_then(plugin, &claim).await.map_err(|e| {
+            // The claim waits for a request that holds the key, up to the role's lock
+            // timeout: that request is still running, and the database is fine.
+            match &e {
+                SessionError::Database(sqlx::Error::Database(d)) if d.code().as_deref() == Some("55P03") => {
+                    CommandError::IdempotencyKeyInUse
+                }
+                _ => db_error(e),
+            }
+        })?;
         match idempotency::read_claim(rows.first()).map_err(db_error)? {
             Claim::New => Ok(Begun::Run(tx, Some((key.as_str(), hash)))),
             Claim::Answered {

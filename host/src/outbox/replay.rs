@@ -57,7 +57,8 @@ pub async fn replay(
     if f.is_empty() {
         bail!(NO_FILTER);
     }
-    let mut after = f.from_id.map(|id| id - 1).unwrap_or(0);
+    // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
+    let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let mut sent = 0u64;
     loop {
         let rows: Vec<OutboxRow> = sqlx::query_as(&format!(

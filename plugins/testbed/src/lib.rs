@@ -160,7 +160,11 @@ impl Guest for Testbed {
         write_and_emit(&id)?;
         match command.name.as_str() {
             "ok" => Ok(json!({ "id": id }).to_string()),
-            "reject" => Err(reject("testbed-says-no", "the testbed rejects this")),
+            // `{"bytes": n}`: with a message of n bytes, which the host must cut.
+            "reject" => match p["bytes"].as_u64() {
+                Some(n) => Err(reject("testbed-says-no", &"r".repeat(n as usize))),
+                None => Err(reject("testbed-says-no", "the testbed rejects this")),
+            },
             "invalid" => Err(invalid("the testbed finds this input invalid")),
             "fail" => Err(HandlerError::Failed("the testbed failed, with secret internals".into())),
             "trap" => panic!("the testbed traps"),
