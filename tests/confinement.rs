@@ -950,6 +950,34 @@ async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
     host.shutdown().await;
 }
 
+/// A plugin session that holds the host's migration lock (sqlx's advisory lock, whose key
+/// anyone can compute from the database's name) does not keep hosts from starting: the host
+/// ends it, and bounds its wait. Before, `migrate` waited for it with no bound, at every
+/// start of every host of the service.
+#[tokio::test]
+async fn a_plugin_session_that_holds_the_migration_lock_does_not_stop_a_host_from_starting() {
+    let host = spawn_host(&["testbed"]).await;
+    let mut session = host.plugin_session("testbed").await;
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&mut session)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(obx::db::migration_lock_key(&database))
+        .execute(&mut session)
+        .await
+        .unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(30), obx::db::migrate(&host.host.pool)).await;
+    migrated
+        .expect("the migrations waited 30 s for the plugin's lock")
+        .unwrap();
+    assert!(
+        sqlx::query("SELECT 1").execute(&mut session).await.is_err(),
+        "the plugin's session was ended"
+    );
+    host.shutdown().await;
+}
+
 /// Plugin code that runs at a `COMMIT` (a deferred trigger) cannot make the commit run for
 /// ever. Postgres turns the statement timeout off before a `COMMIT` runs its deferred
 /// triggers, and a session may change its own timeouts anyway: the host bounds the commit's

@@ -149,12 +149,94 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     }
     adopt_legacy_history(&mut conn).await?;
     warn_of_newer_schema(&mut conn).await;
-    migrator()
-        .run(&mut *conn)
-        .await
-        .context("applying the host's migrations")?;
+    // sqlx waits for its lock with no bound, and a plugin session (one past the SQL policy)
+    // can take it: its key is public. Such sessions are ended, and the wait is bounded so
+    // that one that takes the lock again meanwhile is ended too; another host applying the
+    // migrations is waited for.
+    sqlx::query("SET lock_timeout = '5s'").execute(&mut *conn).await?;
+    let run = run_migrations(&mut conn).await;
+    sqlx::query("RESET lock_timeout").execute(&mut *conn).await?;
+    run?;
     revoke_temporary(&mut conn).await;
     Ok(())
+}
+
+/// Runs sqlx's migrator on `conn` (whose `lock_timeout` bounds each wait), ending plugin
+/// sessions that hold its lock before each attempt.
+async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
+    use sqlx::migrate::MigrateError;
+    let mut attempt = 0;
+    loop {
+        evict_migration_lock_holders(conn).await?;
+        let run = migrator().run(&mut *conn).await;
+        // The lock, or a migration's own (its statements wait as long for a table's lock;
+        // the migration rolled back, and goes again).
+        let waited = match &run {
+            Err(MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _)) => lock_timed_out(e),
+            _ => false,
+        };
+        if !waited || attempt >= MIGRATION_LOCK_ATTEMPTS {
+            return run.context("applying the host's migrations");
+        }
+        attempt += 1;
+        tracing::info!(
+            attempt,
+            "waiting for a lock to apply the host's migrations (another host applying them?)"
+        );
+    }
+}
+
+fn lock_timed_out(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
+}
+
+/// How many 5 s waits for the migration lock a host makes before it gives up.
+const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
+
+/// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
+/// advisory locks (the SQL policy refuses them), and this one stops every host's start.
+async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&mut *conn)
+        .await?;
+    let evicted: Vec<String> = sqlx::query_scalar(
+        // Materialized first, so that nothing but an intruder can reach the terminate call.
+        "WITH intruders AS MATERIALIZED ( \
+             SELECT DISTINCT a.pid, a.usename::text AS role \
+             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 \
+               AND ((l.classid::int8 << 32) | l.objid::int8) = $1 \
+               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+               AND a.usename <> current_user AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
+         SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
+    )
+    .bind(migration_lock_key(&database))
+    .fetch_all(&mut *conn)
+    .await?;
+    for role in evicted {
+        tracing::warn!(
+            role,
+            "a plugin session held the host's migration lock; it was terminated"
+        );
+    }
+    Ok(())
+}
+
+/// The key of sqlx's migration lock on `database` (sqlx's `generate_lock_id`: a CRC-32 of the
+/// name, times a constant).
+pub fn migration_lock_key(database: &str) -> i64 {
+    let mut crc = !0u32;
+    for &byte in database.as_bytes() {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    0x3d32_ad9e * i64::from(!crc)
 }
 
 /// Says so when the database holds host migrations newer than this host's own.
