@@ -981,12 +981,12 @@ async fn a_plugin_session_that_holds_the_migration_lock_does_not_stop_a_host_fro
 /// Plugin code that runs at a `COMMIT` (a deferred trigger) cannot make the commit run for
 /// ever. Postgres turns the statement timeout off before a `COMMIT` runs its deferred
 /// triggers, and a session may change its own timeouts anyway: the host bounds the commit's
-/// round trip (twice `statement_timeout` and a second) and ends the backend past it, which
+/// round trip (four times `statement_timeout` and two seconds) and ends the backend past it, which
 /// undoes the transaction. Before, a commit slept for an hour, holding its session, an open
 /// transaction (and with it the xmin horizon of the whole cluster) and the host's task.
 #[tokio::test]
 async fn plugin_code_at_commit_cannot_run_past_the_commits_bound() {
-    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(2)).await;
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(1)).await;
     let mut tx = host.host.sessions.begin("testbed").await.unwrap();
     sqlx::raw_sql(
         "CREATE TABLE hang (n int); \

@@ -178,6 +178,11 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
         if !waited || attempt >= MIGRATION_LOCK_ATTEMPTS {
             return run.context("applying the host's migrations");
         }
+        // sqlx leaves its lock held when a migration fails after taking it: let it go, or the
+        // next attempt holds it twice and its one unlock leaves it on a pooled connection.
+        sqlx::query("SELECT pg_catalog.pg_advisory_unlock_all()")
+            .execute(&mut *conn)
+            .await?;
         attempt += 1;
         tracing::info!(
             attempt,
@@ -193,7 +198,8 @@ fn lock_timed_out(e: &sqlx::Error) -> bool {
 /// How many 5 s waits for the migration lock a host makes before it gives up.
 const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 
-/// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
+/// Ends each plugin session (a role named as plugin roles are, `obx_…`, that the host is a
+/// member of: a superuser host is a member of every role) that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.
 async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {
     let database: String = sqlx::query_scalar("SELECT current_database()::text")
@@ -207,7 +213,8 @@ async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<(
              WHERE l.locktype = 'advisory' AND l.objsubid = 1 \
                AND ((l.classid::int8 << 32) | l.objid::int8) = $1 \
                AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-               AND a.usename <> current_user AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
+               AND a.usename <> current_user AND a.usename LIKE 'obx\\_%' \
+               AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
          SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
     )
     .bind(migration_lock_key(&database))

@@ -77,12 +77,6 @@ const BEGIN: &str = "BEGIN; SELECT * FROM obx_api.call_begin()";
 /// during a call can only act within the plugin's own call, and the session is closed before
 /// it serves another.
 const CHECK: &str = "SELECT * FROM obx_api.call_check()";
-/// Sent first in a commit's round trip: the session's timeouts back to the host's (its
-/// startup options, which a plugin's `ALTER ROLE … SET` does not reach), which a session
-/// may change, so that the host's statements before the `COMMIT` are held to them. The
-/// `COMMIT` itself is not (Postgres turns the statement timeout off before the deferred
-/// triggers it runs): the host bounds the round trip ([`Login::commit_within`]).
-const TIMEOUTS: &str = "RESET statement_timeout; RESET lock_timeout";
 /// Clears what a statement could leave on a session: cursors, `LISTEN`s, settings and the
 /// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
 /// same round trip, so that it also clears what plugin code did during the commit.
@@ -418,7 +412,7 @@ impl PluginTx {
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
             let sent = Instant::now();
-            let sql = format!("{TIMEOUTS}; {CHECK}; {at_commit}COMMIT; {CLEAR}");
+            let sql = format!("{CHECK}; {at_commit}COMMIT; {CLEAR}");
             let round_trip = (&mut **conn).fetch_all(sql.as_str());
             let Ok(rows) = tokio::time::timeout(self.commit_within, round_trip).await else {
                 // Plugin code at the commit (a deferred trigger) that runs on: `Drop` ends the

@@ -60,6 +60,9 @@ use crate::kafka::Brokers;
 use crate::otel;
 use crate::trace::TraceContext;
 
+/// How many batches' worth of unanswered rows a relay keeps in flight, passed by.
+const STUCK_BATCHES: usize = 10;
+
 /// Relay shards; `obx.outbox_shard` computes the same modulus.
 pub const SHARDS: i32 = 64;
 
@@ -270,6 +273,8 @@ struct State {
     release_held: u32,
     /// When the producer last reported a delivery, acknowledged or refused.
     last_report: Option<Instant>,
+    /// When a new client last found the broker answering (the stall check's probe).
+    broker_answered: Option<Instant>,
 }
 
 impl Relay {
@@ -286,6 +291,7 @@ impl Relay {
             next_delayed: None,
             release_held: 0,
             last_report: None,
+            broker_answered: None,
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -401,6 +407,9 @@ impl Relay {
             tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
                 .await
                 .unwrap_or(false);
+        if answers {
+            st.broker_answered = Some(Instant::now());
+        }
         if !answers && fatal.is_none() {
             // The broker is still away: a new producer would wait as the old one does.
             return Ok(());
@@ -491,7 +500,6 @@ impl Relay {
             "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.published_at IS NULL \
                AND obx.outbox_shard(o.partition_key) = ANY($1) \
-               AND o.id <> ALL($3) \
                AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
                                WHERE f.topic = o.topic AND f.partition_key = o.partition_key \
                                  AND f.outbox_id <= o.id \
@@ -503,7 +511,6 @@ impl Relay {
         ))
         .bind(&shards)
         .bind(self.config.batch_size as i64)
-        .bind(st.inflight.keys().copied().collect::<Vec<i64>>())
         .fetch_all(&mut *tx)
         .await?;
         if rows.is_empty() && st.inflight.is_empty() {
@@ -576,10 +583,18 @@ impl Relay {
         let deadline = tokio::time::Instant::now() + wait;
         let mut acked: Vec<SentRow> = Vec::new();
         let mut pending = 0usize;
-        // Rows in flight past `stall_timeout` with no answer (a partition without a leader, a
-        // topic the broker does not know): recorded as failing once per send, so that they
-        // are counted and their keys wait on their topics; still in flight.
+        // Rows in flight past `stall_timeout` with no answer while the broker answers others,
+        // or a new client (a partition without a leader, a topic the broker does not know):
+        // recorded as failing, so that they are counted and claims pass them and their keys
+        // by (as long as they stay in flight: `still_unanswered`), up to `STUCK_BATCHES`
+        // batches of them. In an outage of the whole broker they are not: the rows in flight
+        // keep their places in the claims, which bounds how many are sent meanwhile.
         let mut unanswered: Vec<(SentRow, Refusal)> = Vec::new();
+        let mut still_unanswered: Vec<i64> = Vec::new();
+        let recent = |t: Option<Instant>| t.is_some_and(|t| t.elapsed() < self.config.stall_timeout * 3);
+        let broker_answers = recent(st.last_report) || recent(st.broker_answered);
+        let mut stuck = st.inflight.values().filter(|f| f.unanswered).count();
+        let most_stuck = self.config.batch_size as usize * STUCK_BATCHES;
         let mut ids: Vec<i64> = st.inflight.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
@@ -589,12 +604,12 @@ impl Relay {
             let known = inflight.unanswered;
             let until = if known { tokio::time::Instant::now() } else { deadline };
             let Ok(result) = tokio::time::timeout_at(until, &mut inflight.delivery).await else {
-                if known {
-                    continue;
-                }
                 let waited = inflight.sent.elapsed();
-                if waited >= self.config.stall_timeout {
+                if known {
+                    still_unanswered.push(id);
+                } else if waited >= self.config.stall_timeout && broker_answers && stuck < most_stuck {
                     inflight.unanswered = true;
+                    stuck += 1;
                     unanswered.push((inflight.row.clone(), Refusal::unanswered(waited)));
                 } else {
                     pending += 1;
@@ -654,6 +669,18 @@ impl Relay {
         }
         if !unanswered.is_empty() {
             self.record_refusals(&mut tx, &unanswered).await?;
+        }
+        if !still_unanswered.is_empty() {
+            // Still no answer: claims go on passing them by.
+            sqlx::query(
+                "UPDATE obx.outbox_delivery_failure \
+                 SET next_attempt_at = greatest(next_attempt_at, now() + make_interval(secs => $2)) \
+                 WHERE outbox_id = ANY($1) AND NOT set_aside",
+            )
+            .bind(&still_unanswered)
+            .bind(self.config.stall_timeout.as_secs_f64())
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         for topic in &unknown_topics {

@@ -172,8 +172,10 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         password,
         settings,
         // The statements before the `COMMIT` have a statement timeout each; the deferred
-        // triggers the `COMMIT` runs have none, and a second one is theirs.
-        commit_within: limits.statement_timeout * 2 + std::time::Duration::from_secs(1),
+        // triggers the `COMMIT` runs have none. Generous beyond that: a commit that waits for
+        // its WAL flush (a slow disk, a synchronous standby) may have taken effect when its
+        // backend is ended.
+        commit_within: limits.statement_timeout * 4 + std::time::Duration::from_secs(2),
     })
 }
 
