@@ -400,9 +400,7 @@ impl Dispatcher {
             // The claim waits for a request that holds the key, up to the role's lock
             // timeout: that request is still running, and the database is fine.
             match &e {
-                SessionError::Database(sqlx::Error::Database(d)) if d.code().as_deref() == Some("55P03") => {
-                    CommandError::IdempotencyKeyInUse
-                }
+                SessionError::Database(e) if crate::db::lock_timed_out(e) => CommandError::IdempotencyKeyInUse,
                 _ => db_error(e),
             }
         })?;

@@ -57,6 +57,11 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether a statement waited its `lock_timeout` for a lock and gave up (SQLSTATE 55P03).
+pub fn lock_timed_out(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
+}
+
 /// Whether Postgres refused a value sent to it (SQLSTATE class 22, data exception, as `jsonb`
 /// refuses a lone surrogate escape or a number past `numeric`'s range; 54001, a value nested
 /// too deep to parse): sent again, it is refused again.
@@ -189,10 +194,6 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
             "waiting for a lock to apply the host's migrations (another host applying them?)"
         );
     }
-}
-
-fn lock_timed_out(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
 }
 
 /// How many 5 s waits for the migration lock a host makes before it gives up.

@@ -827,7 +827,7 @@ async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -
         .fetch_one(&mut *conn)
         .await;
     let (released, next_due_ms): (i32, Option<i64>) = match row {
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+        Err(e) if crate::db::lock_timed_out(&e) => {
             metrics::counter!("obx_outbox_delayed_release_held_total").increment(1);
             tracing::debug!("releasing due delayed events waited its most for a lock; trying again next step");
             return Ok(Released::Held);

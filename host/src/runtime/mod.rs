@@ -249,7 +249,7 @@ impl Runtime {
             .wasm_component_model(true)
             .epoch_interruption(true)
             .max_wasm_stack(1024 * 1024)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool(&limits, PER_CALL)));
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool(&limits)));
         let engine = Engine::new(&config)
             .map_err(anyhow::Error::from)
             .context("creating the Wasm engine")?;
@@ -384,10 +384,7 @@ impl Runtime {
         else {
             return Err(CallError::Trapped(Trap::Deadline));
         };
-        if outcome
-            .as_ref()
-            .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
-        {
+        if pool_full(&outcome) {
             return Err(CallError::Busy);
         }
         match outcome {
@@ -473,11 +470,7 @@ impl Runtime {
                 };
             }
         };
-        if outcome
-            .as_ref()
-            .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
-            && store.data().sent == 0
-        {
+        if pool_full(&outcome) && store.data().sent == 0 {
             // The instance pool is full (other calls hold its memories or tables): the host
             // is busy, as with no call slot, and the call's transaction is as it was. Not the
             // plugin's fault, nor an attempt of the event's. (A component of several core
@@ -560,9 +553,10 @@ const PER_CALL: PerCall = PerCall {
     tables: 4,
 };
 
-/// The instance pool: room for `per_call` in every call slot, and headroom for manifest
+/// The instance pool: room for [`PER_CALL`] in every call slot, and headroom for manifest
 /// reads during loads.
-fn pool(limits: &Limits, per_call: PerCall) -> PoolingAllocationConfig {
+fn pool(limits: &Limits) -> PoolingAllocationConfig {
+    let per_call = PER_CALL;
     let instances = limits.max_concurrent_calls + 32;
     let mut pool = PoolingAllocationConfig::default();
     pool.max_core_instances_per_component(per_call.core_instances)
@@ -589,6 +583,13 @@ fn pool(limits: &Limits, per_call: PerCall) -> PoolingAllocationConfig {
         // CPU. Wasm host CPU per command 351 -> 290 µs (docs/bench/changes.md).
         .table_keep_resident(TABLE_KEEP_RESIDENT);
     pool
+}
+
+/// Whether an instantiation failed for want of room in the instance pool.
+fn pool_full<T>(outcome: &wasmtime::Result<T>) -> bool {
+    outcome
+        .as_ref()
+        .is_err_and(|e| e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some())
 }
 
 /// Advances the engine's epoch every tick for as long as the engine exists.
