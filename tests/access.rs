@@ -203,3 +203,99 @@ async fn secrets_never_reach_logs_or_endpoints() {
         assert!(!endpoints.contains(secret), "{secret} is in an answer:\n{endpoints}");
     }
 }
+
+/// One request over a connection of its own, written as a browser or a hostile page would
+/// send it; the answer's status and body.
+async fn raw(host: &TestHost, head: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = host.url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "{head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn a_host_without_tokens_serves_no_browser_page_and_no_rebound_name() {
+    let host = spawn_host(&["orders"]).await;
+    let port = host.url.rsplit(':').next().unwrap().to_string();
+    let create = "POST /v1/commands/orders/CreateOrder HTTP/1.1";
+    let order = r#"{"customerId": "c-1", "amount": 5}"#;
+    // (the request's head after its start line, what it is)
+    let hostile = [
+        // Any page may post to 127.0.0.1 with no CORS preflight: `fetch` in no-cors mode with
+        // a body of no type sends no Content-Type at all.
+        (
+            format!("Host: 127.0.0.1:{port}\r\nOrigin: https://evil.example"),
+            "a cross-site post",
+        ),
+        (
+            format!("Host: 127.0.0.1:{port}\r\nOrigin: null\r\nContent-Type: text/plain"),
+            "a sandboxed frame",
+        ),
+        // DNS rebinding: the page's own name now points at 127.0.0.1, so it is same-origin.
+        (
+            format!("Host: rebound.evil.example:{port}\r\nContent-Type: application/json"),
+            "a rebound name",
+        ),
+        (
+            format!("Host: localhost:{port}\r\nHost: evil.example:{port}"),
+            "two Host headers",
+        ),
+    ];
+    for (head, what) in &hostile {
+        let (status, body) = raw(&host, &format!("{create}\r\n{head}"), order).await;
+        assert_eq!(status, 403, "{what}: {body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["error"]["code"], "local_only", "{what}");
+    }
+    // A rebound name cannot read either.
+    let (status, _) = raw(
+        &host,
+        &format!("GET /v1/status HTTP/1.1\r\nHost: rebound.evil.example:{port}"),
+        "",
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event").await,
+        0,
+        "a refused command ran"
+    );
+
+    // This machine's callers, a local page among them, are served.
+    let local = [
+        format!("Host: 127.0.0.1:{port}\r\nContent-Type: application/json"),
+        format!("Host: localhost:{port}\r\nOrigin: http://localhost:3000\r\nContent-Type: application/json"),
+        format!("Host: [::1]:{port}\r\nContent-Type: application/json"),
+    ];
+    for head in &local {
+        let (status, body) = raw(&host, &format!("{create}\r\n{head}"), order).await;
+        assert_eq!(status, 200, "{head}: {body}");
+    }
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 3);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_host_with_tokens_serves_any_name_its_proxy_gives() {
+    let (host, _broker) = guarded_host().await;
+    let port = host.url.rsplit(':').next().unwrap().to_string();
+    let head = format!(
+        "POST /v1/commands/orders/CreateOrder HTTP/1.1\r\nHost: orders.example.com:{port}\r\n\
+         Origin: https://app.example.com\r\nAuthorization: Bearer {COMMAND_TOKEN}\r\nContent-Type: application/json"
+    );
+    let (status, body) = raw(&host, &head, r#"{"customerId": "c-1", "amount": 5}"#).await;
+    assert_eq!(status, 200, "{body}");
+    host.shutdown().await;
+}

@@ -1,5 +1,6 @@
 //! The HTTP API (axum): commands, plugin status, health, readiness and metrics, behind
-//! bearer tokens by scope (see [`auth`]).
+//! bearer tokens by scope (see [`auth`]); with no tokens, to callers on this machine only, and
+//! to no browser page (see [`local`]).
 //!
 //! Invariant: every error response is JSON, `{"error": {"code", "message"}}`, with a stable
 //! `code`; database text and guest internals never reach a client (they go to the log).
@@ -9,6 +10,7 @@ mod auth;
 mod commands;
 mod deadline;
 mod errors;
+mod local;
 pub mod server;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -95,7 +97,7 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .route("/v1/outbox/replay", post(admin::outbox_replay))
         .route("/v1/catalog", get(admin::catalog))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .merge(commands)
@@ -105,7 +107,13 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             http.request_timeout,
             deadline::deadline,
-        ))
+        ));
+    // Without tokens, only this machine's callers, and no browser page (see `local`).
+    let router = match http.auth.enabled() {
+        true => router,
+        false => router.layer(axum::middleware::from_fn(local::only_local)),
+    };
+    router
         .layer(axum::middleware::map_response(errors::json_errors))
         .with_state(Arc::new(state))
 }
