@@ -1086,25 +1086,9 @@ async fn what_plugin_code_leaves_at_commit_is_cleared_before_the_next_call() {
 async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     let host = spawn_host(&["testbed"]).await;
     let mut s = host.plugin_session("testbed").await;
-    // As an attacker would: the relay's namespace from pg_locks (in this database: other
-    // tests' relays hold theirs on the same server), then every shard and a thousand
-    // member locks (which would shrink each relay's share to one shard).
-    let mut space = None;
-    for _ in 0..100 {
-        space = sqlx::query_scalar::<_, i64>(
-            "SELECT classid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
-               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-             GROUP BY classid HAVING count(*) > 1 ORDER BY count(*) DESC LIMIT 1",
-        )
-        .fetch_optional(&mut s)
-        .await
-        .unwrap();
-        if space.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let space = space.expect("the relay holds its shards");
+    // As an attacker would: the relay's namespace from pg_locks, then every shard and a
+    // thousand member locks (which would shrink each relay's share to one shard).
+    let space = relay_lock_space(&mut s).await;
     sqlx::query("SELECT pg_try_advisory_lock($1::int4, g) FROM generate_series(0, 63) g")
         .bind(space)
         .execute(&mut s)
@@ -1128,6 +1112,72 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     // The relay looks at its lock space once a second.
     assert_session_ends(&mut s).await;
     host.shutdown().await;
+}
+
+/// The relay ends plugin sessions that hold its locks, but never another application's: a
+/// superuser host is a member of every role, so membership alone does not make a plugin.
+/// Here the host is made a member of a role of another application, whose session holds
+/// locks in the relay's classes for several of the relay's steps.
+#[tokio::test]
+async fn a_session_of_another_application_that_holds_the_relays_locks_is_left_alone() {
+    use sqlx::ConnectOptions;
+    let host = spawn_host(&["testbed"]).await;
+    let role = format!("bystander_{}", uuid::Uuid::new_v4().simple());
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    let mut admin = PgConnection::connect(&admin_url()).await.unwrap();
+    for statement in [
+        format!("CREATE ROLE {role} LOGIN PASSWORD 'bystander-password'"),
+        format!("GRANT {role} TO {HOST_USER}"),
+        format!("GRANT CONNECT ON DATABASE {database} TO {role}"),
+    ] {
+        sqlx::query(&statement).execute(&mut admin).await.unwrap();
+    }
+    let options: sqlx::postgres::PgConnectOptions = host.database_url.parse().unwrap();
+    let mut s = options
+        .username(&role)
+        .password("bystander-password")
+        .connect()
+        .await
+        .unwrap();
+    let space = relay_lock_space(&mut s).await;
+    let taken: Vec<bool> =
+        sqlx::query_scalar("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 1009) g")
+            .bind(space)
+            .fetch_all(&mut s)
+            .await
+            .unwrap();
+    assert!(taken.iter().all(|t| *t), "{taken:?}");
+    // The relay looks at its lock space once a second.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let alive = sqlx::query("SELECT 1").execute(&mut s).await;
+    assert!(alive.is_ok(), "another application's session was ended: {alive:?}");
+    let _ = s.close().await;
+    host.shutdown().await;
+    let _ = sqlx::query(&format!("DROP OWNED BY {role}")).execute(&mut admin).await;
+    let _ = sqlx::query(&format!("DROP ROLE {role}")).execute(&mut admin).await;
+}
+
+/// The relay's lock namespace, as an attacker would find it: `pg_locks` is readable by every
+/// session (in this database: other tests' relays hold theirs on the same server).
+async fn relay_lock_space(s: &mut PgConnection) -> i64 {
+    for _ in 0..100 {
+        let space = sqlx::query_scalar::<_, i64>(
+            "SELECT classid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             GROUP BY classid HAVING count(*) > 1 ORDER BY count(*) DESC LIMIT 1",
+        )
+        .fetch_optional(&mut *s)
+        .await
+        .unwrap();
+        if let Some(space) = space {
+            return space;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the relay holds no shards");
 }
 
 /// The intruder's next statement: it may find its session ended already, by a host step that

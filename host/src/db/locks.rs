@@ -47,24 +47,12 @@ impl LockSpace {
         Ok(LockSpace::of(space))
     }
 
-    /// Terminates each session of a role the host is a member of (a plugin's) that holds a
+    /// Terminates each plugin session (see [`super::terminate_plugin_holders`]) that holds a
     /// lock in one of the host's classes.
     pub async fn evict_intruders(&self, conn: &mut PgConnection) -> Result<()> {
         let classes = [self.shard, self.member, self.partition, self.group].map(i64::from);
-        let evicted: Vec<String> = sqlx::query_scalar(
-            // Materialized first, so that nothing but an intruder can reach the terminate call.
-            "WITH intruders AS MATERIALIZED ( \
-                 SELECT DISTINCT a.pid, a.usename::text AS role \
-                 FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-                 WHERE l.locktype = 'advisory' AND l.classid = ANY($1::oid[]) \
-                   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-                   AND a.usename <> current_user AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
-             SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
-        )
-        .bind(&classes[..])
-        .fetch_all(&mut *conn)
-        .await?;
-        for role in evicted {
+        let lock = "l.classid::int8 = ANY($1)";
+        for role in super::terminate_plugin_holders(conn, lock, &classes[..]).await? {
             tracing::warn!(role, "a plugin session held one of the host's locks; it was terminated");
             metrics::counter!("obx_relay_intruders_evicted_total").increment(1);
         }

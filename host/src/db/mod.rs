@@ -199,35 +199,44 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
 /// How many 5 s waits for the migration lock a host makes before it gives up.
 const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 
-/// Ends each plugin session (a role named as plugin roles are, `obx_…`, that the host is a
-/// member of: a superuser host is a member of every role) that holds sqlx's migration lock. Plugins have no use for
+/// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.
 async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {
     let database: String = sqlx::query_scalar("SELECT current_database()::text")
         .fetch_one(&mut *conn)
         .await?;
-    let evicted: Vec<String> = sqlx::query_scalar(
-        // Materialized first, so that nothing but an intruder can reach the terminate call.
-        "WITH intruders AS MATERIALIZED ( \
-             SELECT DISTINCT a.pid, a.usename::text AS role \
-             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 \
-               AND ((l.classid::int8 << 32) | l.objid::int8) = $1 \
-               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-               AND a.usename <> current_user AND a.usename LIKE 'obx\\_%' \
-               AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
-         SELECT role FROM intruders WHERE pg_catalog.pg_terminate_backend(pid)",
-    )
-    .bind(migration_lock_key(&database))
-    .fetch_all(&mut *conn)
-    .await?;
-    for role in evicted {
+    let lock = "l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = ANY($1)";
+    for role in terminate_plugin_holders(conn, lock, &[migration_lock_key(&database)]).await? {
         tracing::warn!(
             role,
             "a plugin session held the host's migration lock; it was terminated"
         );
     }
     Ok(())
+}
+
+/// Terminates each plugin session that holds an advisory lock in this database matching
+/// `lock` (a condition on `pg_locks l`, with `keys` as `$1`), and names their roles. A plugin
+/// session is one of a role named as plugin roles are (`obx_…`) that the host is a member
+/// of, not the host's own: a superuser host is a member of every role, so the name keeps it
+/// from ending another application's sessions.
+pub(crate) async fn terminate_plugin_holders(
+    conn: &mut sqlx::PgConnection,
+    lock: &str,
+    keys: &[i64],
+) -> sqlx::Result<Vec<String>> {
+    let sql = format!(
+        // Materialized first, so that nothing but a plugin session can reach the terminate call.
+        "WITH holders AS MATERIALIZED ( \
+             SELECT DISTINCT a.pid, a.usename::text AS role \
+             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND ({lock}) \
+               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+               AND a.usename <> current_user AND a.usename LIKE 'obx\\_%' \
+               AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
+         SELECT role FROM holders WHERE pg_catalog.pg_terminate_backend(pid)"
+    );
+    sqlx::query_scalar(&sql).bind(keys).fetch_all(conn).await
 }
 
 /// The key of sqlx's migration lock on `database` (sqlx's `generate_lock_id`: a CRC-32 of the
