@@ -322,7 +322,8 @@ pub struct KafkaConfig {
     /// CloudEvents binary mode for some topics: see [`CloudEventsConfig`].
     pub cloudevents: CloudEventsConfig,
     /// Extra librdkafka properties, e.g. `"security.protocol" = "SASL_SSL"`. They override
-    /// OBX's own settings. Values are kept as secrets: `obx config check --print` shows
+    /// OBX's own settings, except those the delivery guarantees rest on, which are refused
+    /// (see `reserved_kafka_property`). Values are kept as secrets: `obx config check --print` shows
     /// only those whose names say nothing of passwords, keys, secrets or tokens.
     #[serde(serialize_with = "show_kafka_properties")]
     pub properties: BTreeMap<String, Secret>,
@@ -653,6 +654,35 @@ fn show_database_url<S: serde::Serializer>(url: &Option<Secret>, serializer: S) 
     }
 }
 
+/// Why OBX keeps a librdkafka property to itself, if it does: the delivery guarantees rest on
+/// these values, and `kafka.properties` would override them for the relay's producer and the
+/// consumers alike. librdkafka's aliases are matched too; names are case-sensitive there.
+fn reserved_kafka_property(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "enable.idempotence" | "max.in.flight.requests.per.connection" | "max.in.flight" | "queuing.strategy" => {
+            "a retried batch could land after a later one, out of its key's order"
+        }
+        "acks" | "request.required.acks" => {
+            "an event is marked published when the broker acknowledges it, and with fewer \
+             acknowledgements than acks=all a broker's failure loses marked events"
+        }
+        "message.timeout.ms" | "delivery.timeout.ms" => {
+            "the relay's messages never expire, which keeps a key's order through an outage"
+        }
+        "partitioner" => "set kafka.partitioner, which every host of the service must share",
+        "enable.gapless.guarantee" => "the relay handles a failed send itself, in its key's order",
+        "enable.auto.offset.store" | "enable.auto.commit" | "auto.commit.enable" => {
+            "a consumer stores an offset only once its event's transaction has committed; \
+             otherwise a crash could skip events"
+        }
+        "group.id" | "group.instance.id" => {
+            "each plugin's consumer group is named by OBX (consumer.instance_id sets the \
+             static member id)"
+        }
+        _ => return None,
+    })
+}
+
 /// Kafka properties, with the values of those that may be credentials redacted.
 fn show_kafka_properties<S: serde::Serializer>(
     properties: &BTreeMap<String, Secret>,
@@ -835,6 +865,17 @@ impl Config {
         }
         if l.max_payload_bytes == 0 {
             return invalid("limits.max_payload_bytes", "must be greater than 0");
+        }
+        if let Some((name, reason)) = self
+            .kafka
+            .properties
+            .keys()
+            .find_map(|name| reserved_kafka_property(name).map(|reason| (name, reason)))
+        {
+            return Err(ConfigError::Invalid {
+                key: format!("kafka.properties.{name}"),
+                reason: format!("is set by OBX and may not be overridden: {reason}"),
+            });
         }
         let producer_max = self.kafka.producer_max_message_bytes();
         if l.max_payload_bytes + MESSAGE_OVERHEAD_BYTES > producer_max {
@@ -1057,6 +1098,26 @@ mod tests {
                 "sslmode",
                 "[database]\nurl = \"postgres://u:pw@h/db?sslmode=sometimes\"",
                 "database.url",
+            ),
+            (
+                "a property the relay's order rests on",
+                "[kafka.properties]\n\"enable.idempotence\" = \"false\"",
+                "kafka.properties.enable.idempotence",
+            ),
+            (
+                "a property at-least-once rests on",
+                "[kafka.properties]\nacks = \"1\"",
+                "kafka.properties.acks",
+            ),
+            (
+                "a consumer's offset store",
+                "[kafka.properties]\n\"enable.auto.offset.store\" = \"true\"",
+                "kafka.properties.enable.auto.offset.store",
+            ),
+            (
+                "the partitioner as a property",
+                "[kafka.properties]\npartitioner = \"random\"",
+                "kafka.properties.partitioner",
             ),
             (
                 "public listen without command tokens",
