@@ -1008,10 +1008,10 @@ impl Round {
 /// own login (the ceiling), the same logic as native Rust in the host's transaction shape
 /// (a plugin session, the outbox through `obx_api.emit_calls`, the session cleared with the
 /// commit), and the orders plugin's Wasm handler through the dispatcher (no HTTP in any of
-/// them; relay and consumers off), in `rounds` interleaved rounds of `duration` each. On a
-/// shared machine a single run of each is as much luck as measure (pgbench alone has ranged
-/// 1,700-7,600 tps within an hour here), so each figure is the median over the rounds, and
-/// each ratio the median of the rounds' own ratios.
+/// them; relay and consumers off), in `rounds` interleaved rounds of `duration` each, native
+/// and Wasm taking turns to run first. On a shared machine a single run of each is as much
+/// luck as measure (pgbench alone has ranged 1,700-7,600 tps within an hour here), so each
+/// figure is the median over the rounds, and each ratio the median of the rounds' own ratios.
 async fn commands(duration: Duration, clients: usize, rounds: usize, keys: bool) -> Result<()> {
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
@@ -1025,15 +1025,25 @@ async fn commands(duration: Duration, clients: usize, rounds: usize, keys: bool)
     .await?;
     let truncate = format!("TRUNCATE \"{schema}\".orders, obx.outbox_event CASCADE");
     let mut measured = Vec::new();
-    for _ in 0..rounds.max(1) {
+    for round in 0..rounds.max(1) {
         sqlx::query(&truncate).execute(&pool).await?;
         let cpu = cpu::Cpu::now();
         let pgbench = run_pgbench(&env, &url, (&role, &password), clients, duration).await?;
         let pgbench_cpu = cpu.per_command((pgbench * duration.as_secs_f64()) as u64);
-        sqlx::query(&truncate).execute(&pool).await?;
-        let native = with_cpu(|done| native_orders(&host, clients, duration, done)).await?;
-        sqlx::query(&truncate).execute(&pool).await?;
-        let wasm = with_cpu(|done| wasm_orders(&host, clients, duration, done, keys)).await?;
+        // Native first in the first round, Wasm in the second, and so on: whatever the run
+        // before does to the machine (a checkpoint it started, caches it left) falls on both.
+        let native_first = round % 2 == 0;
+        let mut native = None;
+        let mut wasm = None;
+        for native_turn in [native_first, !native_first] {
+            sqlx::query(&truncate).execute(&pool).await?;
+            if native_turn {
+                native = Some(with_cpu(|done| native_orders(&host, clients, duration, done)).await?);
+            } else {
+                wasm = Some(with_cpu(|done| wasm_orders(&host, clients, duration, done, keys)).await?);
+            }
+        }
+        let (native, wasm) = (native.expect("ran"), wasm.expect("ran"));
         measured.push(Round {
             pgbench: (pgbench, pgbench_cpu),
             native,
@@ -1084,15 +1094,19 @@ fn report_commands(duration: Duration, clients: usize, rounds: &[Round], keys: b
         med(&|r| r.wasm.0 / r.native.0),
         med(&|r| r.wasm.1.host - r.native.1.host)
     );
-    out!("Each round, commands/s (pgbench / native / Wasm, and Wasm's ratio to native):\n");
+    out!(
+        "Each round, commands/s (pgbench / native / Wasm, and Wasm's ratio to native); after \
+         pgbench, native ran first in odd rounds, Wasm in even ones:\n"
+    );
     for (i, r) in rounds.iter().enumerate() {
         out!(
-            "- round {}: {:.0} / {:.0} / {:.0}, {:.2}",
+            "- round {}: {:.0} / {:.0} / {:.0}, {:.2}{}",
             i + 1,
             r.pgbench.0,
             r.native.0,
             r.wasm.0,
-            r.wasm.0 / r.native.0
+            r.wasm.0 / r.native.0,
+            if i % 2 == 0 { "" } else { " (Wasm first)" }
         );
     }
     out!("");
