@@ -202,9 +202,11 @@ impl Consumer {
                 Ok(m) => {
                     progress.advanced();
                     // Not (or no longer) this consumer's: the partition's owner reads it.
-                    if leased.as_deref().is_some_and(|l| !l.owns(m.topic(), m.partition())) {
-                        continue;
-                    }
+                    let tenure = match leased.as_deref().map(|l| l.tenure(m.topic(), m.partition())) {
+                        Some(None) => continue,
+                        Some(Some(tenure)) => Some(tenure),
+                        None => None,
+                    };
                     // The key and headers count too: a message of 1 MB of them and an empty
                     // value took 1 KiB of the budget.
                     let m = m.detach();
@@ -216,11 +218,14 @@ impl Consumer {
                         Ok(permit) => permit,
                         Err(ended) => break ended,
                     };
-                    // Admitted now, not before the wait: the leases may have moved meanwhile.
-                    let tracked = match leased.as_deref().map(|l| l.admit(m.topic(), m.partition())) {
-                        Some(None) => continue,
-                        Some(tracked) => tracked,
-                        None => None,
+                    // Admitted now, not before the wait: the leases may have moved meanwhile,
+                    // even away and back (then the message is read again, in its order).
+                    let tracked = match (leased.as_deref(), tenure) {
+                        (Some(l), Some(tenure)) => match l.admit(m.topic(), m.partition(), tenure) {
+                            None => continue,
+                            tracked => tracked,
+                        },
+                        _ => None,
                     };
                     let lane = m.partition().unsigned_abs() as usize % senders.len();
                     if senders[lane].send((m, (permit, tracked))).is_err() {

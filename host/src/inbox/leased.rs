@@ -37,6 +37,10 @@ pub struct Leased {
     leaving: HashMap<Partition, Instant>,
     in_flight: Arc<InFlight>,
     failing: bool,
+    /// Each partition held, with the number of the assignment that started its current
+    /// tenure: a message read in an earlier tenure is not admitted (see [`Leased::tenure`]).
+    tenures: HashMap<Partition, u64>,
+    assignments: u64,
 }
 
 impl Leased {
@@ -53,6 +57,8 @@ impl Leased {
             leaving: HashMap::new(),
             in_flight: Arc::new(InFlight::default()),
             failing: false,
+            tenures: HashMap::new(),
+            assignments: 0,
         }
     }
 
@@ -62,13 +68,29 @@ impl Leased {
         self.leases.held().contains(&p) && !self.leaving.contains_key(&p)
     }
 
-    /// Admits a message of this partition to the lanes if its lease is held and it is not
-    /// being handed over, counting it as in flight until the returned value drops. A
-    /// message not admitted is neither handled nor stored, so the partition's next owner
-    /// reads it again.
-    pub fn admit(&self, topic: &str, partition: i32) -> Option<Tracked> {
-        self.owns(topic, partition)
-            .then(|| self.in_flight.track((topic.to_string(), partition)))
+    /// The tenure in which this consumer owns the partition now, if it does. A partition
+    /// handed over and leased back is assigned again, from the group's committed offset, in
+    /// a new tenure: a message read in the old one must not be handled, or it would run
+    /// ahead of the earlier messages read again.
+    pub fn tenure(&self, topic: &str, partition: i32) -> Option<u64> {
+        let p = (topic.to_string(), partition);
+        self.tenures.get(&p).copied().filter(|_| self.owns(topic, partition))
+    }
+
+    /// Admits a message of this partition, read in `tenure`, to the lanes if the partition
+    /// is still owned in that tenure, counting it as in flight until the returned value
+    /// drops. A message not admitted is neither handled nor stored, so the partition's
+    /// owner reads it again.
+    pub fn admit(&self, topic: &str, partition: i32, tenure: u64) -> Option<Tracked> {
+        (self.tenure(topic, partition) == Some(tenure)).then(|| self.in_flight.track((topic.to_string(), partition)))
+    }
+
+    /// Starts a tenure for each of `partitions`, just assigned.
+    fn begin_tenures(&mut self, partitions: &[Partition]) {
+        for p in partitions {
+            self.assignments += 1;
+            self.tenures.insert(p.clone(), self.assignments);
+        }
     }
 
     /// Assigns a new client the partitions leased so far (the first client: none).
@@ -80,6 +102,7 @@ impl Leased {
             tracing::info!(plugin = %self.plugin, partitions = %names(&held), "partitions leased (a new client)");
             assign(consumer, &held, &self.plugin);
         }
+        self.begin_tenures(&held);
     }
 
     /// One step: the partitions (every 5 s), the leases, then the assignment. Returns
@@ -138,6 +161,7 @@ impl Leased {
             if !assign(consumer, &change.acquired, &self.plugin) {
                 return false;
             }
+            self.begin_tenures(&change.acquired);
         }
         if !change.surplus.is_empty() {
             tracing::info!(plugin = %self.plugin, partitions = %names(&change.surplus), "handing partitions over");
@@ -175,6 +199,7 @@ impl Leased {
         let unassigned = consumer.incremental_unassign(&list(&done));
         for p in &done {
             self.leaving.remove(p);
+            self.tenures.remove(p);
         }
         match tokio::time::timeout(ASK_TIMEOUT, self.leases.give_up(&done)).await {
             Ok(Ok(())) => {}
