@@ -815,3 +815,34 @@ async fn a_refused_row_holds_up_its_key_on_its_topic_only() {
     );
     host.shutdown().await;
 }
+
+/// A relay whose claims hold at most 64 KiB of payload (`relay.batch_max_bytes`) still
+/// publishes every row, in each key's order: rows of 30 KB go out two at a time, and a row
+/// larger than the bound alone.
+#[tokio::test]
+async fn claims_bounded_in_bytes_publish_every_row_in_key_order() {
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.batch_max_bytes = 64 * 1024;
+    })
+    .await;
+    let t = topic("order");
+    let keys: Vec<String> = (0..5).map(|k| format!("key-{k}")).collect();
+    for seq in 0..20 {
+        let pad = "p".repeat(if seq == 10 { 200_000 } else { 30_000 });
+        let a = host
+            .command(
+                "testbed",
+                "emit",
+                json!({ "id": format!("s{seq}"), "topic": t, "keys": keys, "payload": { "seq": seq, "pad": pad } }),
+            )
+            .await;
+        assert_eq!((a.status, &a.body["emitted"]), (200, &json!(5)), "{}", a.text);
+    }
+    all_published(&host, 100).await;
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 100, Duration::from_secs(30)).await;
+    assert_eq!(messages.len(), 100);
+    assert_eq!(key_order_violations(&messages), 0, "per-key order violations");
+    host.shutdown().await;
+}

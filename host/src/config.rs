@@ -431,6 +431,10 @@ pub struct RelayConfig {
     pub enabled: bool,
     /// Rows claimed per transaction.
     pub batch_size: u32,
+    /// Payload bytes claimed per transaction (a claim keeps at least one row): with rows of
+    /// up to `limits.max_payload_bytes`, `batch_size` alone would let one claim, and the
+    /// producer's queue after it, hold about a gigabyte.
+    pub batch_max_bytes: usize,
     /// The fallback poll; commits on this host, and NOTIFY from other hosts, wake the relay
     /// at once.
     #[serde(with = "humantime_serde")]
@@ -462,6 +466,7 @@ impl Default for RelayConfig {
         RelayConfig {
             enabled: true,
             batch_size: 1000,
+            batch_max_bytes: 16 * 1024 * 1024,
             poll_interval: Duration::from_secs(1),
             ack_timeout: Duration::from_secs(5),
             stall_timeout: Duration::from_secs(5),
@@ -929,6 +934,9 @@ impl Config {
         }
         if self.relay.batch_size == 0 {
             return invalid("relay.batch_size", "must be greater than 0");
+        }
+        if self.relay.batch_max_bytes == 0 {
+            return invalid("relay.batch_max_bytes", "must be greater than 0");
         }
         if self.relay.ack_timeout.is_zero() {
             return invalid("relay.ack_timeout", "must be greater than 0");

@@ -496,7 +496,7 @@ impl Relay {
                  set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true)",
             )
             .await?;
-        let rows: Vec<OutboxRow> = sqlx::query_as(&format!(
+        let claim = format!(
             "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.published_at IS NULL \
                AND obx.outbox_shard(o.partition_key) = ANY($1) \
@@ -508,11 +508,12 @@ impl Relay {
              ORDER BY o.id \
              LIMIT $2 \
              FOR UPDATE OF o SKIP LOCKED"
-        ))
-        .bind(&shards)
-        .bind(self.config.batch_size as i64)
-        .fetch_all(&mut *tx)
-        .await?;
+        );
+        let rows = sqlx::query_as::<_, OutboxRow>(&claim)
+            .bind(&shards)
+            .bind(self.config.batch_size as i64)
+            .fetch(&mut *tx);
+        let (rows, cut) = within_bytes(rows, self.config.batch_max_bytes).await?;
         if rows.is_empty() && st.inflight.is_empty() {
             tx.commit().await?;
             return Ok(Outcome::Idle);
@@ -703,7 +704,7 @@ impl Relay {
             Outcome::Backoff
         } else if pending > 0 {
             Outcome::Waiting
-        } else if rows.len() as u32 >= self.config.batch_size {
+        } else if cut || rows.len() as u32 >= self.config.batch_size {
             Outcome::More
         } else {
             Outcome::Idle
@@ -873,6 +874,26 @@ fn rand_i32() -> i32 {
     uuid::Uuid::new_v4().as_u128() as i32
 }
 
+/// The first rows of a claim, in id order, whose payloads fit in `max_bytes` (the first row
+/// always), and whether the claim had more. The rest is read and dropped: those rows stay
+/// unpublished, for the next step. So a claim of large rows, and the producer's queue after
+/// it, holds a bounded amount of memory, and a key's rows still go out in order.
+async fn within_bytes<S>(mut rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
+where
+    S: futures::Stream<Item = sqlx::Result<OutboxRow>> + Unpin,
+{
+    use futures::TryStreamExt;
+    let (mut kept, mut bytes) = (Vec::new(), 0usize);
+    while let Some(row) = rows.try_next().await? {
+        bytes = bytes.saturating_add(row.payload.len());
+        if !kept.is_empty() && bytes > max_bytes {
+            return Ok((kept, true));
+        }
+        kept.push(row);
+    }
+    Ok((kept, false))
+}
+
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
 /// still in flight is not given up, so that a hand-over never sends a row twice.
 async fn rebalance(
@@ -983,6 +1004,45 @@ mod tests {
     use crate::db::embedded::EmbeddedPostgres;
 
     const LOCKS: LockSpace = LockSpace::of(0x6f62_7800);
+
+    fn row(id: i64, payload_bytes: usize) -> OutboxRow {
+        OutboxRow {
+            id,
+            event_id: uuid::Uuid::now_v7(),
+            aggregate_type: "A".into(),
+            aggregate_id: "a".into(),
+            event_type: "E".into(),
+            payload: "x".repeat(payload_bytes),
+            topic: "t".into(),
+            partition_key: "k".into(),
+            created_at: Utc::now(),
+            shard: 0,
+            traceparent: None,
+            plugin_name: "p".into(),
+        }
+    }
+
+    /// A claim keeps the rows whose payloads fit, in order, and always its first row.
+    #[tokio::test]
+    async fn a_claim_keeps_the_first_rows_within_its_bytes() {
+        let claim = |sizes: &[usize]| {
+            let rows: Vec<sqlx::Result<OutboxRow>> =
+                sizes.iter().enumerate().map(|(i, n)| Ok(row(i as i64, *n))).collect();
+            futures::stream::iter(rows)
+        };
+        let ids = |(rows, cut): (Vec<OutboxRow>, bool)| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), cut);
+        assert_eq!(
+            ids(within_bytes(claim(&[10, 10, 10]), 25).await.unwrap()),
+            (vec![0, 1], true)
+        );
+        assert_eq!(
+            ids(within_bytes(claim(&[10, 10, 5]), 25).await.unwrap()),
+            (vec![0, 1, 2], false)
+        );
+        assert_eq!(ids(within_bytes(claim(&[100, 1]), 25).await.unwrap()), (vec![0], true));
+        assert_eq!(ids(within_bytes(claim(&[100]), 25).await.unwrap()), (vec![0], false));
+        assert_eq!(ids(within_bytes(claim(&[]), 25).await.unwrap()), (vec![], false));
+    }
 
     /// Shards whose lock this session really holds, as Postgres sees them.
     async fn locked(conn: &mut PgConnection) -> BTreeSet<i32> {
