@@ -878,7 +878,7 @@ fn rand_i32() -> i32 {
 /// always), and whether the claim had more. The rest is read and dropped: those rows stay
 /// unpublished, for the next step. So a claim of large rows, and the producer's queue after
 /// it, holds a bounded amount of memory, and a key's rows still go out in order.
-async fn within_bytes<S>(mut rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
+pub(super) async fn within_bytes<S>(mut rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
 where
     S: futures::Stream<Item = sqlx::Result<OutboxRow>> + Unpin,
 {

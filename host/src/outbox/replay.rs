@@ -12,7 +12,7 @@ use rdkafka::message::Header;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 
-use super::relay::{OutboxRow, OUTBOX_ROW_COLUMNS};
+use super::relay::{within_bytes, OutboxRow, OUTBOX_ROW_COLUMNS};
 
 /// Which events to replay. Every given condition must hold; at least one must be given.
 #[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
@@ -44,6 +44,9 @@ pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an
 /// The header that marks a replayed message.
 pub const REPLAY_HEADER: &str = "obx-replay";
 const PAGE: i64 = 1000;
+/// Payload bytes per page (its first row always), as a relay claim's default: a page of
+/// large rows, and the producer's queue after it, stays bounded.
+const PAGE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Replays every matching event, in id order, and waits until the broker has acknowledged
 /// each. Returns how many were sent.
@@ -60,9 +63,8 @@ pub async fn replay(
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let mut sent = 0u64;
-    loop {
-        let rows: Vec<OutboxRow> = sqlx::query_as(&format!(
-            "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
+    let page = format!(
+        "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.id > $1 \
                AND ($2::bigint IS NULL OR o.id <= $2) \
                AND ($3::timestamptz IS NULL OR o.created_at >= $3) \
@@ -70,17 +72,18 @@ pub async fn replay(
                AND ($5::text IS NULL OR o.aggregate_type = $5) \
                AND ($6::text IS NULL OR o.aggregate_id = $6) \
              ORDER BY o.id LIMIT $7"
-        ))
-        .bind(after)
-        .bind(f.to_id)
-        .bind(f.since)
-        .bind(f.until)
-        .bind(&f.aggregate_type)
-        .bind(&f.aggregate_id)
-        .bind(PAGE)
-        .fetch_all(pool)
-        .await
-        .context("reading the outbox")?;
+    );
+    loop {
+        let rows = sqlx::query_as::<_, OutboxRow>(&page)
+            .bind(after)
+            .bind(f.to_id)
+            .bind(f.since)
+            .bind(f.until)
+            .bind(&f.aggregate_type)
+            .bind(&f.aggregate_id)
+            .bind(PAGE)
+            .fetch(pool);
+        let (rows, _) = within_bytes(rows, PAGE_BYTES).await.context("reading the outbox")?;
         let Some(last) = rows.last() else { break };
         after = last.id;
         let mut deliveries = Vec::with_capacity(rows.len());
