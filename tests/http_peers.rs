@@ -71,7 +71,7 @@ async fn slow_peers_hold_a_bounded_number_of_connections_and_are_closed() {
     let mut peers = Vec::new();
     for _ in 0..64 {
         let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
-        peer.write_all(b"POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: obx\r\n")
+        peer.write_all(b"POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\n")
             .await
             .unwrap();
         peers.push(peer);
@@ -106,7 +106,7 @@ async fn slow_peers_hold_a_bounded_number_of_connections_and_are_closed() {
 async fn an_idle_keep_alive_connection_is_closed_after_the_header_timeout() {
     let host = host().await;
     let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
-    peer.write_all(b"GET /healthz HTTP/1.1\r\nHost: obx\r\n\r\n")
+    peer.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
         .unwrap();
     let mut answer = vec![0u8; 4096];
@@ -132,7 +132,7 @@ async fn a_request_head_over_64_kib_is_refused_with_431() {
     let host = host().await;
     let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
     let head = format!(
-        "GET /healthz HTTP/1.1\r\nHost: obx\r\nX-Pad: {}\r\n\r\n",
+        "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: {}\r\n\r\n",
         "a".repeat(100 * 1024)
     );
     // The server may close before it has read it all.
@@ -145,7 +145,7 @@ async fn a_request_head_over_64_kib_is_refused_with_431() {
 
     let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
     let head = format!(
-        "GET /healthz HTTP/1.1\r\nHost: obx\r\nX-Pad: {}\r\n\r\n",
+        "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: {}\r\n\r\n",
         "a".repeat(16 * 1024)
     );
     peer.write_all(head.as_bytes()).await.unwrap();
@@ -164,7 +164,7 @@ async fn peers_that_never_read_their_answers_are_closed_after_the_write_timeout(
     let host = host().await;
     let port = host.host.addr.port();
     let request = format!(
-        "POST /v1/commands/testbed/huge HTTP/1.1\r\nHost: obx\r\nContent-Type: application/json\r\n\
+        "POST /v1/commands/testbed/huge HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {len}\r\n\r\n{body}",
         len = r#"{"id":"h","bytes":524288}"#.len(),
         body = r#"{"id":"h","bytes":524288}"#,
@@ -214,7 +214,7 @@ async fn a_body_slower_than_the_request_timeout_is_answered_408() {
     let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
     let body = r#"{"id":"slow-body","topic":"testbed.events"}"#;
     let head = format!(
-        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: obx\r\nContent-Type: application/json\r\n\
+        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n",
         body.len()
     );
@@ -272,4 +272,29 @@ async fn a_flood_of_readiness_requests_costs_postgres_a_ping_a_second() {
         "800 readiness requests cost {during} commits (idle: {idle})"
     );
     host.shutdown().await;
+}
+
+/// A command still running when the host stops has half of `http.shutdown_timeout` to
+/// finish; then its connection is cut and the command rolled back. A slow command, or a peer
+/// that takes its answer a few bytes at a time, cannot spend the time the consumers and the
+/// relay need to stop in order.
+#[tokio::test]
+async fn a_shutdown_cuts_the_requests_still_running_after_half_its_timeout() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.call_deadline = Duration::from_secs(20);
+        c.http.request_timeout = Duration::from_secs(60);
+        c.http.shutdown_timeout = Duration::from_secs(4);
+    })
+    .await;
+    let url = format!("{}/v1/commands/testbed/loop", host.url);
+    let request = tokio::spawn(async move { reqwest::Client::new().post(url).json(&json!({})).send().await });
+    // The command loops until its 20 s deadline.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    host.shutdown().await;
+    let took = started.elapsed();
+    // Half of the 4 s, and the rest of the shutdown; the call's deadline was 20 s away.
+    assert!(took < Duration::from_secs(8), "the shutdown took {took:?}");
+    let answer = request.await.unwrap();
+    assert!(answer.is_err(), "the cut command was answered: {answer:?}");
 }

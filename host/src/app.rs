@@ -196,6 +196,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
         max_connections: config.http.max_connections,
         header_read_timeout: config.http.header_read_timeout,
         write_timeout: config.http.write_timeout,
+        drain: config.http.shutdown_timeout / 2,
     };
     let server = tokio::spawn(api::server::serve(listener, router, limits, stopped));
     ready.store(true, Ordering::SeqCst);

@@ -167,8 +167,9 @@ pub struct HttpConfig {
     /// that sends requests and never reads the answers would hold its place for ever.
     #[serde(with = "humantime_serde")]
     pub write_timeout: Duration,
-    /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands and
-    /// events, the relay's last batch. A second signal stops at once.
+    /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands (for
+    /// half of it at most; those still running then are cut and rolled back) and events, the
+    /// relay's last batch. A second signal stops at once.
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
     pub auth: AuthConfig,

@@ -40,7 +40,7 @@ impl Service {
     fn new() -> Service {
         let pg = EmbeddedPostgres::start(&[]).unwrap();
         let broker = MockBroker::start(1).unwrap();
-        for topic in ["order.events", "inventory.events"] {
+        for topic in ["order.events", "inventory.events", "testbed.events"] {
             broker.create_topic(topic, 4).unwrap();
         }
         let plugins = tempfile::tempdir().unwrap();
@@ -284,7 +284,9 @@ fn sigterm_under_load_loses_nothing_and_exits_within_the_bound() {
     assert!(status.success(), "exit status {status}; log:\n{log}");
 }
 
-/// Starts a host whose graceful stop cannot finish: a command spins until a 60 s deadline.
+/// Starts a host whose graceful stop cannot finish: an event's handler spins until a 60 s
+/// deadline, and a consumer finishes the event in hand before it stops. (A command would
+/// not do: at half the bound the server cuts the requests still running.)
 fn serve_stuck(service: &Service, rt: &tokio::runtime::Runtime, bound: &str) -> Serving {
     let client = reqwest::Client::new();
     let base = service.base();
@@ -293,16 +295,29 @@ fn serve_stuck(service: &Service, rt: &tokio::runtime::Runtime, bound: &str) -> 
         ("OBX_HTTP__REQUEST_TIMEOUT", "120s"),
         ("OBX_HTTP__SHUTDOWN_TIMEOUT", bound),
     ]);
-    rt.block_on(wait_ready(&client, &base, READY_BOUND));
-    rt.spawn(async move {
-        let _ = client
-            .post(format!("{base}/v1/commands/testbed/loop"))
-            .json(&json!({ "id": "stuck" }))
+    rt.block_on(async {
+        wait_ready(&client, &base, READY_BOUND).await;
+        let emitted = client
+            .post(format!("{base}/v1/commands/testbed/emit"))
+            .json(&json!({ "id": "stuck", "topic": "testbed.events", "payload": { "loop": true } }))
             .send()
-            .await;
+            .await
+            .unwrap();
+        assert_eq!(emitted.status(), 200);
+        // The handler spins inside its batch's transaction.
+        let pool = sqlx::PgPool::connect(&service.pg.url("postgres")).await.unwrap();
+        let spinning = "SELECT count(*) FROM pg_stat_activity a JOIN obx.plugin p ON p.role_name = a.usename \
+                        WHERE p.name = 'testbed' AND a.state = 'idle in transaction'";
+        let started = Instant::now();
+        while scalar(&pool, spinning).await == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the event's handler never ran"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        pool.close().await;
     });
-    // Let the command get into the plugin.
-    std::thread::sleep(Duration::from_millis(500));
     serving
 }
 

@@ -13,6 +13,10 @@
 //! - A request head (start line and headers) over 64 KiB is refused (431).
 //! - A request's body and handling are bounded by the router's own layers
 //!   (`http.max_body_bytes`, `http.request_timeout`).
+//! - At shutdown, connections finish the requests they are serving for `drain` at most
+//!   (half of `http.shutdown_timeout`); then the rest are cut, their commands rolled back,
+//!   so that a slow command or a peer that takes its answer a few bytes at a time cannot
+//!   spend the time the consumers and the relay need to stop in order.
 
 use std::future::Future;
 use std::io;
@@ -40,10 +44,13 @@ pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
     pub write_timeout: Duration,
+    /// How long connections may take to finish their requests once the server stops.
+    pub drain: Duration,
 }
 
 /// Serves `router` on `listener` until `stop` turns true; then stops accepting, lets each
-/// connection finish the request it is serving, and returns when every one has closed.
+/// connection finish the request it is serving for `limits.drain` at most, cuts those still
+/// open, and returns when every one has closed.
 pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut stop: watch::Receiver<bool>) {
     let places = Arc::new(Semaphore::new(limits.max_connections));
     let mut http = http1::Builder::new();
@@ -53,6 +60,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
         .keep_alive(true);
     // Each connection task holds a clone; when all are gone, every connection has closed.
     let (open_tx, open) = watch::channel(());
+    // Set once the drain is over: connections still open are dropped.
+    let (cut_tx, cut) = watch::channel(false);
     loop {
         let place = tokio::select! {
             place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
@@ -74,7 +83,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
         let _ = stream.set_nodelay(true);
         let stream = WriteDeadline::new(stream, limits.write_timeout);
         let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
-        let mut stop = stop.clone();
+        let (mut stop, mut cut) = (stop.clone(), cut.clone());
         let open = open.clone();
         metrics::gauge!("obx_http_connections").increment(1.0);
         tokio::spawn(async move {
@@ -83,7 +92,10 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
                 _ = connection.as_mut() => {}
                 _ = stopped(&mut stop) => {
                     connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
+                    tokio::select! {
+                        _ = connection.as_mut() => {}
+                        _ = stopped(&mut cut) => {}
+                    }
                 }
             }
             metrics::gauge!("obx_http_connections").decrement(1.0);
@@ -92,7 +104,15 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
     }
     drop(open);
     drop(listener);
-    open_tx.closed().await;
+    if tokio::time::timeout(limits.drain, open_tx.closed()).await.is_err() {
+        tracing::warn!(
+            connections = open_tx.receiver_count(),
+            drain = ?limits.drain,
+            "connections still busy at the end of the shutdown's drain are cut; their commands roll back"
+        );
+        let _ = cut_tx.send(true);
+        open_tx.closed().await;
+    }
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

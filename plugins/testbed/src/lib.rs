@@ -195,6 +195,13 @@ impl Guest for Testbed {
     /// the topic in `"then"`.
     fn handle_event(event: Event) -> Result<(), HandlerError> {
         let p: Value = serde_json::from_str(&event.payload).map_err(|e| invalid(e.to_string()))?;
+        // `{"loop": true}`: spins until the call's deadline.
+        if p["loop"] == true {
+            let mut n = 0u64;
+            loop {
+                n = std::hint::black_box(n.wrapping_add(1));
+            }
+        }
         // `{"gate": true}`: waits for the row lock of counter `gate`, which a test can hold.
         if p["gate"] == true {
             execute("UPDATE counters SET n = n + 1 WHERE name = 'gate'", &[])?;
