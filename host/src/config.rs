@@ -660,34 +660,54 @@ fn show_database_url<S: serde::Serializer>(url: &Option<Secret>, serializer: S) 
     }
 }
 
-/// Why OBX keeps a librdkafka property to itself, if it does: the delivery guarantees rest on
-/// these values, and `kafka.properties` would override them for the relay's producer and the
-/// consumers alike. librdkafka's aliases are matched too; names are case-sensitive there.
-fn reserved_kafka_property(name: &str) -> Option<&'static str> {
-    Some(match name {
-        "enable.idempotence" | "max.in.flight.requests.per.connection" | "max.in.flight" | "queuing.strategy" => {
-            "a retried batch could land after a later one, out of its key's order"
-        }
-        "acks" | "request.required.acks" => {
+/// Why OBX keeps a librdkafka property to itself, if it does and `value` is not the one OBX
+/// sets anyway: the delivery guarantees rest on these values, and `kafka.properties` would
+/// override them for the relay's producer and the consumers alike. librdkafka's aliases are
+/// matched too, and its `topic.` prefix for topic settings; names are case-sensitive there.
+fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
+    let name = name.strip_prefix("topic.").unwrap_or(name);
+    let (reason, ours): (&'static str, &[&str]) = match name {
+        "enable.idempotence" => (ORDER, &["true"]),
+        "max.in.flight.requests.per.connection"
+        | "max.in.flight"
+        | "queuing.strategy"
+        | "retries"
+        | "message.send.max.retries" => (ORDER, &[]),
+        "acks" | "request.required.acks" => (
             "an event is marked published when the broker acknowledges it, and with fewer \
-             acknowledgements than acks=all a broker's failure loses marked events"
-        }
-        "message.timeout.ms" | "delivery.timeout.ms" => {
-            "the relay's messages never expire, which keeps a key's order through an outage"
-        }
-        "partitioner" => "set kafka.partitioner, which every host of the service must share",
-        "enable.gapless.guarantee" => "the relay handles a failed send itself, in its key's order",
-        "enable.auto.offset.store" | "enable.auto.commit" | "auto.commit.enable" => {
-            "a consumer stores an offset only once its event's transaction has committed; \
-             otherwise a crash could skip events"
-        }
-        "group.id" | "group.instance.id" => {
+             acknowledgements than acks=all a broker's failure loses marked events",
+            &["all", "-1"],
+        ),
+        "message.timeout.ms" | "delivery.timeout.ms" => (
+            "the relay's messages never expire, which keeps a key's order through an outage",
+            &["0"],
+        ),
+        "partitioner" => ("set kafka.partitioner, which every host of the service must share", &[]),
+        "enable.gapless.guarantee" => ("the relay handles a failed send itself, in its key's order", &[]),
+        "enable.auto.offset.store" | "enable.auto.commit" | "auto.commit.enable" => (
+            "a consumer stores an offset only once its event's transaction has committed, and \
+             commits the stored ones itself; otherwise a crash could skip events",
+            match name {
+                "enable.auto.offset.store" => &["false"],
+                _ => &["true"],
+            },
+        ),
+        "auto.offset.reset" => (
+            "a new consumer group starts at the earliest events, so that none is skipped",
+            &["earliest", "smallest", "beginning"],
+        ),
+        "group.id" | "group.instance.id" => (
             "each plugin's consumer group is named by OBX (consumer.instance_id sets the \
-             static member id)"
-        }
+             static member id)",
+            &[],
+        ),
         _ => return None,
-    })
+    };
+    (!ours.contains(&value)).then_some(reason)
 }
+
+/// Why the relay's producer settings are reserved.
+const ORDER: &str = "a retried batch could land after a later one, out of its key's order";
 
 /// Kafka properties, with the values of those that may be credentials redacted.
 fn show_kafka_properties<S: serde::Serializer>(
@@ -875,8 +895,8 @@ impl Config {
         if let Some((name, reason)) = self
             .kafka
             .properties
-            .keys()
-            .find_map(|name| reserved_kafka_property(name).map(|reason| (name, reason)))
+            .iter()
+            .find_map(|(name, value)| reserved_kafka_property(name, value.expose()).map(|reason| (name, reason)))
         {
             return Err(ConfigError::Invalid {
                 key: format!("kafka.properties.{name}"),
@@ -1039,6 +1059,28 @@ mod tests {
         );
     }
 
+    /// A managed Kafka's client snippet that repeats what OBX sets anyway is accepted.
+    #[test]
+    fn kafka_properties_that_repeat_obx_own_values_are_accepted() {
+        let mut c = Config::default();
+        for (name, value) in [
+            ("acks", "all"),
+            ("topic.request.required.acks", "-1"),
+            ("enable.idempotence", "true"),
+            ("enable.auto.offset.store", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("security.protocol", "SASL_SSL"),
+        ] {
+            c.kafka.properties.insert(name.into(), Secret::new(value));
+        }
+        c.validate().unwrap();
+        c.kafka
+            .properties
+            .insert("auto.offset.reset".into(), Secret::new("latest"));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("kafka.properties.auto.offset.reset"), "{e}");
+    }
+
     #[test]
     fn a_request_timeout_shorter_than_a_command_may_take_is_advised_against() {
         let mut c = Config::default();
@@ -1122,6 +1164,16 @@ mod tests {
                 "a consumer's offset store",
                 "[kafka.properties]\n\"enable.auto.offset.store\" = \"true\"",
                 "kafka.properties.enable.auto.offset.store",
+            ),
+            (
+                "a reserved property as a topic setting",
+                "[kafka.properties]\n\"topic.acks\" = \"1\"",
+                "kafka.properties.topic.acks",
+            ),
+            (
+                "retries that end",
+                "[kafka.properties]\nretries = \"3\"",
+                "kafka.properties.retries",
             ),
             (
                 "the partitioner as a property",
