@@ -226,7 +226,7 @@ async fn raw(host: &TestHost, head: &str, body: &str) -> (u16, String) {
 }
 
 #[tokio::test]
-async fn a_host_without_tokens_serves_no_browser_page_and_no_rebound_name() {
+async fn a_host_without_tokens_serves_no_web_page_and_no_rebound_name() {
     let host = spawn_host(&["orders"]).await;
     let port = host.url.rsplit(':').next().unwrap().to_string();
     let create = "POST /v1/commands/orders/CreateOrder HTTP/1.1";
@@ -252,6 +252,15 @@ async fn a_host_without_tokens_serves_no_browser_page_and_no_rebound_name() {
             format!("Host: localhost:{port}\r\nHost: evil.example:{port}"),
             "two Host headers",
         ),
+        // A page on this machine is of another origin too: a dev server's, a notebook's.
+        (
+            format!("Host: localhost:{port}\r\nOrigin: http://localhost:3000\r\nSec-Fetch-Site: same-site"),
+            "a local page",
+        ),
+        (
+            format!("Host: localhost:{port}\r\nOrigin: http://localhost:3000"),
+            "a local page, in a browser that sends no Sec-Fetch-Site",
+        ),
     ];
     for (head, what) in &hostile {
         let (status, body) = raw(&host, &format!("{create}\r\n{head}"), order).await;
@@ -259,24 +268,24 @@ async fn a_host_without_tokens_serves_no_browser_page_and_no_rebound_name() {
         let body: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(body["error"]["code"], "local_only", "{what}");
     }
-    // A rebound name cannot read either.
-    let (status, _) = raw(
-        &host,
-        &format!("GET /v1/status HTTP/1.1\r\nHost: rebound.evil.example:{port}"),
-        "",
-    )
-    .await;
-    assert_eq!(status, 403);
+    // A rebound name cannot read either, nor can a page's no-cors GET (it sends no Origin).
+    for head in [
+        format!("Host: rebound.evil.example:{port}"),
+        format!("Host: 127.0.0.1:{port}\r\nSec-Fetch-Site: cross-site"),
+    ] {
+        let (status, _) = raw(&host, &format!("GET /v1/status HTTP/1.1\r\n{head}"), "").await;
+        assert_eq!(status, 403, "{head}");
+    }
     assert_eq!(
         host.count("SELECT count(*) FROM obx.outbox_event").await,
         0,
         "a refused command ran"
     );
 
-    // This machine's callers, a local page among them, are served.
+    // This machine's callers are served, a URL typed into its browser among them.
     let local = [
         format!("Host: 127.0.0.1:{port}\r\nContent-Type: application/json"),
-        format!("Host: localhost:{port}\r\nOrigin: http://localhost:3000\r\nContent-Type: application/json"),
+        format!("Host: localhost:{port}\r\nSec-Fetch-Site: none\r\nContent-Type: application/json"),
         format!("Host: [::1]:{port}\r\nContent-Type: application/json"),
     ];
     for head in &local {

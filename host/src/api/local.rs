@@ -7,8 +7,12 @@
 //! (DNS rebinding) lets its scripts read the answers too. So, with no tokens configured:
 //! - the `Host` a request names (and an absolute request target's authority) must be a
 //!   loopback name: `localhost`, a name under `.localhost`, or a loopback address;
-//! - an `Origin`, which browsers send with every `POST` and every cross-origin read, must
-//!   name one too; `Origin: null` (sandboxed frames, `file:` pages) is refused.
+//! - an `Origin`, which browsers send with every `POST` and every cross-origin read, must be
+//!   the host's own (its authority the `Host`): OBX serves no pages, so any other is a page
+//!   of another origin, a local dev server's or a local page's among them; `Origin: null`
+//!   (sandboxed frames, `file:` pages) is refused;
+//! - a `Sec-Fetch-Site`, which browsers send with every request, even a no-cors `GET` that
+//!   carries no `Origin`, must be `same-origin` or `none` (typed in by the user).
 //!
 //! Anything else gets 403 `local_only`, before authentication, routing or a body is read.
 //! With tokens configured this layer is not installed: a browser does not attach bearer
@@ -17,6 +21,7 @@
 use std::net::IpAddr;
 
 use axum::extract::Request;
+use axum::http::uri::Authority;
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::Response;
@@ -36,28 +41,28 @@ pub async fn only_local(request: Request, next: Next) -> Response {
     )
 }
 
-/// Whether every name the request carries for its target and its origin is a loopback one.
+/// Whether the request names only loopback targets and comes from no page of another origin.
 fn from_this_machine(uri: &Uri, headers: &HeaderMap) -> bool {
     let target_local = uri.host().is_none_or(is_loopback_name);
-    let host_local = match headers.get_all(header::HOST).iter().collect::<Vec<_>>()[..] {
-        [] => true,
-        [one] => one
-            .to_str()
-            .ok()
-            .and_then(|v| v.parse::<axum::http::uri::Authority>().ok())
-            .is_some_and(|a| is_loopback_name(a.host())),
+    let host = match headers.get_all(header::HOST).iter().collect::<Vec<_>>()[..] {
+        [] => None,
+        [one] => match one.to_str().ok().and_then(|v| v.parse::<Authority>().ok()) {
+            Some(a) if is_loopback_name(a.host()) => Some(a),
+            _ => return false,
+        },
         // Two Host headers: which one a proxy or a client library believed is unknowable.
-        _ => false,
+        _ => return false,
     };
-    let origin_local = headers.get_all(header::ORIGIN).iter().all(|origin| {
-        origin
-            .to_str()
-            .ok()
-            .and_then(|v| v.parse::<Uri>().ok())
-            .and_then(|u| u.host().map(is_loopback_name))
-            .unwrap_or(false)
+    let same_origin = headers.get_all(header::ORIGIN).iter().all(|origin| {
+        let authority = origin.to_str().ok().and_then(|v| v.parse::<Uri>().ok());
+        let authority = authority.as_ref().and_then(Uri::authority);
+        matches!((authority, &host), (Some(a), Some(h)) if a.as_str().eq_ignore_ascii_case(h.as_str()))
     });
-    target_local && host_local && origin_local
+    let fetched_here = headers
+        .get_all("sec-fetch-site")
+        .iter()
+        .all(|site| matches!(site.as_bytes(), b"same-origin" | b"none"));
+    target_local && same_origin && fetched_here
 }
 
 /// `localhost`, a name under `.localhost` (RFC 6761 reserves them for loopback), or a
@@ -100,8 +105,10 @@ mod tests {
             vec![("host", "[::1]:8080")],
             vec![("host", "127.1.2.3")],
             vec![("host", "[::ffff:127.0.0.1]:80")],
-            vec![("host", "localhost:8080"), ("origin", "http://localhost:3000")],
-            vec![("host", "localhost:8080"), ("origin", "https://[::1]")],
+            vec![("host", "localhost:8080"), ("origin", "http://localhost:8080")],
+            vec![("host", "[::1]:8080"), ("origin", "http://[::1]:8080")],
+            vec![("host", "localhost:8080"), ("sec-fetch-site", "same-origin")],
+            vec![("host", "localhost:8080"), ("sec-fetch-site", "none")],
         ];
         for pairs in passes {
             assert!(from_this_machine(&path, &headers(&pairs)), "{pairs:?}");
@@ -116,6 +123,12 @@ mod tests {
             vec![("host", "localhost"), ("host", "evil.example")],
             vec![("host", "localhost:8080"), ("origin", "https://evil.example")],
             vec![("host", "localhost:8080"), ("origin", "null")],
+            // A local dev server's page, or any other local page: another origin.
+            vec![("host", "localhost:8080"), ("origin", "http://localhost:3000")],
+            vec![("host", "localhost:8080"), ("origin", "http://app.localhost:8080")],
+            vec![("origin", "http://localhost:8080")],
+            vec![("host", "localhost:8080"), ("sec-fetch-site", "same-site")],
+            vec![("host", "localhost:8080"), ("sec-fetch-site", "cross-site")],
             vec![
                 ("host", "localhost:8080"),
                 ("origin", "http://localhost"),

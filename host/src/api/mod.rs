@@ -1,6 +1,6 @@
 //! The HTTP API (axum): commands, plugin status, health, readiness and metrics, behind
 //! bearer tokens by scope (see [`auth`]); with no tokens, to callers on this machine only, and
-//! to no browser page (see [`local`]).
+//! to no web page (see [`local`]).
 //!
 //! Invariant: every error response is JSON, `{"error": {"code", "message"}}`, with a stable
 //! `code`; database text and guest internals never reach a client (they go to the log).
@@ -108,7 +108,7 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
             http.request_timeout,
             deadline::deadline,
         ));
-    // Without tokens, only this machine's callers, and no browser page (see `local`).
+    // Without tokens, only this machine's callers, and no web page (see `local`).
     let router = match http.auth.enabled() {
         true => router,
         false => router.layer(axum::middleware::from_fn(local::only_local)),
