@@ -1115,14 +1115,16 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
 }
 
 /// The relay ends plugin sessions that hold its locks, but never another application's: a
-/// superuser host is a member of every role, so membership alone does not make a plugin.
+/// superuser host is a member of every role, so neither membership nor a name like a
+/// plugin role's makes a plugin.
 /// Here the host is made a member of a role of another application, whose session holds
 /// locks in the relay's classes for several of the relay's steps.
 #[tokio::test]
 async fn a_session_of_another_application_that_holds_the_relays_locks_is_left_alone() {
     use sqlx::ConnectOptions;
     let host = spawn_host(&["testbed"]).await;
-    let role = format!("bystander_{}", uuid::Uuid::new_v4().simple());
+    // Named as OBX names roles: another service's host, say, whose user is `obx_…` too.
+    let role = format!("obx_bystander_{}", uuid::Uuid::new_v4().simple());
     let database: String = sqlx::query_scalar("SELECT current_database()::text")
         .fetch_one(&host.db)
         .await

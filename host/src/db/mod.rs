@@ -202,9 +202,14 @@ const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 /// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.
 async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {
-    let database: String = sqlx::query_scalar("SELECT current_database()::text")
-        .fetch_one(&mut *conn)
-        .await?;
+    let (database, installed): (String, bool) =
+        sqlx::query_as("SELECT current_database()::text, to_regclass('obx.plugin_credential') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !installed {
+        // A database OBX never migrated has no plugin roles.
+        return Ok(());
+    }
     let lock = "l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = ANY($1)";
     for role in terminate_plugin_holders(conn, lock, &[migration_lock_key(&database)]).await? {
         tracing::warn!(
@@ -217,9 +222,10 @@ async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<(
 
 /// Terminates each plugin session that holds an advisory lock in this database matching
 /// `lock` (a condition on `pg_locks l`, with `keys` as `$1`), and names their roles. A plugin
-/// session is one of a role named as plugin roles are (`obx_…`) that the host is a member
-/// of, not the host's own: a superuser host is a member of every role, so the name keeps it
-/// from ending another application's sessions.
+/// session is one of a role this installation made for a plugin (`obx.plugin_credential`),
+/// not merely one the host is a member of: a superuser host is a member of every role, and
+/// another host of another service may run as an `obx_…` user. The host must also have the
+/// role's privileges, which `pg_terminate_backend` needs (it raises an error otherwise).
 pub(crate) async fn terminate_plugin_holders(
     conn: &mut sqlx::PgConnection,
     lock: &str,
@@ -232,8 +238,8 @@ pub(crate) async fn terminate_plugin_holders(
              FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
              WHERE l.locktype = 'advisory' AND ({lock}) \
                AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-               AND a.usename <> current_user AND a.usename LIKE 'obx\\_%' \
-               AND pg_catalog.pg_has_role(current_user, a.usename, 'MEMBER')) \
+               AND a.usename IN (SELECT c.role_name FROM obx.plugin_credential c) \
+               AND pg_catalog.pg_has_role(current_user, a.usename, 'USAGE')) \
          SELECT role FROM holders WHERE pg_catalog.pg_terminate_backend(pid)"
     );
     sqlx::query_scalar(&sql).bind(keys).fetch_all(conn).await
