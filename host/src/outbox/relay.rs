@@ -1073,6 +1073,10 @@ mod tests {
     async fn what_a_relay_believes_it_holds_is_what_it_holds() {
         let pg = EmbeddedPostgres::start(&[]).unwrap();
         let url = pg.url("postgres");
+        // The host's schema, as a relay always has it: its eviction reads the plugin roles.
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        crate::db::migrate(&pool).await.unwrap();
+        pool.close().await;
         let none = HashSet::new();
         let (mut a, mut b) = (member(&url).await, member(&url).await);
         let (mut held_a, mut held_b) = (BTreeSet::new(), BTreeSet::new());
