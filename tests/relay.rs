@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use obx_tests::{
-    broker, consume, eventually, metric_value, murmur2_partition, run_kafkajs, spawn_host, spawn_host_with, Received,
-    TestHost,
+    broker, consume, eventually, metric_value, murmur2_partition, run_kafkajs, spawn_host, spawn_host_with,
+    test_config, Received, TestHost,
 };
 use serde_json::json;
 
@@ -845,4 +845,42 @@ async fn claims_bounded_in_bytes_publish_every_row_in_key_order() {
     assert_eq!(messages.len(), 100);
     assert_eq!(key_order_violations(&messages), 0, "per-key order violations");
     host.shutdown().await;
+}
+
+/// Every host of an installation relays with the same `kafka.partitioner` and
+/// `kafka.topic_prefix`: the first host records them, and a host whose settings differ
+/// refuses to start, naming the setting and how to change it on purpose. Otherwise a relay
+/// that took shards over would put a key's later events on another partition or topic.
+#[tokio::test]
+async fn a_host_whose_partitioner_or_topic_prefix_differs_from_its_peers_refuses_to_start() {
+    let broker = broker();
+    let first = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
+    let plugins = tempfile::tempdir().unwrap();
+    let differing = |adjust: &dyn Fn(&mut obx::config::Config)| {
+        let mut config = test_config(&first.database_url, plugins.path());
+        broker.configure(&mut config);
+        config.kafka.topic_prefix = first.topic_prefix.clone();
+        adjust(&mut config);
+        config
+    };
+    let partitioner = differing(&|c| c.kafka.partitioner = obx::config::Partitioner::ConsistentRandom);
+    let e = obx::app::start(partitioner)
+        .await
+        .err()
+        .expect("a host with another partitioner started");
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("kafka.partitioner") && e.contains("kafka_partitioner = NULL"),
+        "{e}"
+    );
+    let prefix = differing(&|c| c.kafka.topic_prefix = "elsewhere.".into());
+    let e = obx::app::start(prefix)
+        .await
+        .err()
+        .expect("a host with another topic prefix started");
+    assert!(format!("{e:#}").contains("kafka.topic_prefix"), "{e:#}");
+    // The same settings: a second host of the service starts.
+    let second = obx::app::start(differing(&|_| {})).await.unwrap();
+    second.shutdown().await.unwrap();
+    first.shutdown().await;
 }
