@@ -1162,6 +1162,38 @@ async fn a_session_of_another_application_that_holds_the_relays_locks_is_left_al
     let _ = sqlx::query(&format!("DROP ROLE {role}")).execute(&mut admin).await;
 }
 
+/// Any session may NOTIFY any channel it can name, so a plugin that knew the relays'
+/// wake-up channel could queue a million notifications in one call, each a relay step. The
+/// channel is random per installation, and no plugin can read its name.
+#[tokio::test]
+async fn a_plugin_cannot_learn_the_channel_that_wakes_the_relays() {
+    let host = spawn_host(&["testbed"]).await;
+    let channel: String = sqlx::query_scalar("SELECT notify_channel FROM obx.installation")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert!(channel.starts_with("obx_outbox_") && channel.len() == 27, "{channel}");
+    let mut s = host.plugin_session("testbed").await;
+    let read = sqlx::query_scalar::<_, String>("SELECT notify_channel FROM obx.installation")
+        .fetch_one(&mut s)
+        .await;
+    let code = match &read {
+        Err(sqlx::Error::Database(e)) => e.code().map(|c| c.to_string()),
+        _ => None,
+    };
+    assert_eq!(code.as_deref(), Some("42501"), "a plugin read the channel: {read:?}");
+    // The relay listens on it (and on nothing a plugin could guess).
+    let listening = format!("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN \"{channel}\"'");
+    eventually(Duration::from_secs(10), "the relay listens on the channel", || async {
+        host.count(&listening).await >= 1
+    })
+    .await;
+    let guessable = "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND query = 'LISTEN \"obx_outbox\"'";
+    assert_eq!(host.count(guessable).await, 0);
+    host.shutdown().await;
+}
+
 /// The relay's lock namespace, as an attacker would find it: `pg_locks` is readable by every
 /// session (in this database: other tests' relays hold theirs on the same server).
 async fn relay_lock_space(s: &mut PgConnection) -> i64 {

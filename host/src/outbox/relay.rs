@@ -69,8 +69,14 @@ pub const SHARDS: i32 = 64;
 /// Why a publish span ended without an answer from the broker.
 const RESENT: &str = "the producer was replaced; the row is sent again";
 
-/// The channel other hosts' commits are announced on.
-pub const NOTIFY_CHANNEL: &str = "obx_outbox";
+/// The channel other hosts' commits are announced on: random per installation
+/// (`migrations/0018_notify_channel.sql`), since any session may NOTIFY any channel it can
+/// name, and no plugin can read this one's name.
+async fn notify_channel(conn: &mut PgConnection) -> sqlx::Result<String> {
+    sqlx::query_scalar("SELECT notify_channel FROM obx.installation")
+        .fetch_one(conn)
+        .await
+}
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
 /// The longest pause after a failed step.
 const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
@@ -258,6 +264,8 @@ impl SentRow {
 struct State {
     conn: Option<PgConnection>,
     locks: Option<LockSpace>,
+    /// The installation's wake-up channel, read with the connection.
+    channel: Option<String>,
     producer: Option<FutureProducer>,
     /// Sent rows whose delivery report has not arrived yet, by row id.
     inflight: HashMap<i64, Inflight>,
@@ -282,6 +290,7 @@ impl Relay {
         let mut state = State {
             conn: None,
             locks: None,
+            channel: None,
             producer: None,
             inflight: HashMap::new(),
             shards: BTreeSet::new(),
@@ -336,7 +345,9 @@ impl Relay {
                 }
             };
             if wake_early && listener.is_none() {
-                listener = self.listen().await;
+                if let Some(channel) = &state.channel {
+                    listener = self.listen(channel).await;
+                }
             }
             let wake = {
                 let notified = async {
@@ -426,9 +437,9 @@ impl Relay {
         Ok(())
     }
 
-    async fn listen(&self) -> Option<PgListener> {
+    async fn listen(&self, channel: &str) -> Option<PgListener> {
         let mut listener = PgListener::connect(&self.database_url).await.ok()?;
-        listener.listen(NOTIFY_CHANNEL).await.ok()?;
+        listener.listen(channel).await.ok()?;
         Some(listener)
     }
 
@@ -439,6 +450,7 @@ impl Relay {
                 .await
                 .context("connecting the relay")?;
             let locks = LockSpace::load(&mut conn).await?;
+            st.channel = Some(notify_channel(&mut conn).await?);
             join(&mut conn, locks).await?;
             st.conn = Some(conn);
             st.locks = Some(locks);
@@ -463,8 +475,10 @@ impl Relay {
         }
         let producer = st.producer.as_ref().expect("built above");
 
-        st.next_delayed = match release_due(conn, self.config.batch_size, self.owns_all.load(Ordering::Relaxed)).await?
-        {
+        let wake = (!self.owns_all.load(Ordering::Relaxed))
+            .then_some(st.channel.as_deref())
+            .flatten();
+        st.next_delayed = match release_due(conn, self.config.batch_size, wake).await? {
             Released::Due(next) => {
                 st.release_held = 0;
                 next
@@ -822,7 +836,7 @@ const RELEASE_HELD_WARN: u32 = 20;
 /// Moves the delayed events that are due into the outbox (each takes its place in its key's
 /// order now), in a transaction of its own, before the claim; wakes the other relays if it
 /// moved any, since their shards may hold them.
-async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -> Result<Released> {
+async fn release_due(conn: &mut PgConnection, batch_size: u32, wake: Option<&str>) -> Result<Released> {
     let row = sqlx::query_as("SELECT released, next_due_ms FROM obx.outbox_release_due($1)")
         .bind(i32::try_from(batch_size).unwrap_or(i32::MAX))
         .fetch_one(&mut *conn)
@@ -837,9 +851,9 @@ async fn release_due(conn: &mut PgConnection, batch_size: u32, owns_all: bool) -
     };
     if released > 0 {
         metrics::counter!("obx_outbox_delayed_released_total").increment(released as u64);
-        if !owns_all {
+        if let Some(channel) = wake {
             sqlx::query("SELECT pg_notify($1, '')")
-                .bind(NOTIFY_CHANNEL)
+                .bind(channel)
                 .execute(&mut *conn)
                 .await?;
         }
@@ -964,7 +978,7 @@ pub async fn run_notifier(
     local_relay_owns_all: Arc<AtomicBool>,
 ) {
     const COALESCE: Duration = Duration::from_millis(2);
-    let mut conn: Option<PgConnection> = None;
+    let mut conn: Option<(PgConnection, String)> = None;
     loop {
         tokio::select! {
             changed = signal.changed() => if changed.is_err() { break },
@@ -977,9 +991,9 @@ pub async fn run_notifier(
         if conn.is_none() {
             conn = notifier_connection(&database_url).await;
         }
-        if let Some(c) = conn.as_mut() {
+        if let Some((c, channel)) = conn.as_mut() {
             if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
-                .bind(NOTIFY_CHANNEL)
+                .bind(&*channel)
                 .execute(&mut *c)
                 .await
             {
@@ -991,11 +1005,13 @@ pub async fn run_notifier(
     }
 }
 
-async fn notifier_connection(database_url: &str) -> Option<PgConnection> {
+async fn notifier_connection(database_url: &str) -> Option<(PgConnection, String)> {
     let options = crate::db::host_options(database_url, "obx-notifier")
         .ok()?
         .options([("synchronous_commit", "off")]);
-    PgConnection::connect_with(&options).await.ok()
+    let mut conn = PgConnection::connect_with(&options).await.ok()?;
+    let channel = notify_channel(&mut conn).await.ok()?;
+    Some((conn, channel))
 }
 
 #[cfg(test)]
