@@ -523,7 +523,8 @@ async fn replay_republishes_stored_events_marked_as_replays() {
         topic_prefix: host.topic_prefix.clone(),
         ..Default::default()
     };
-    let sent = obx::outbox::replay::replay(&host.db, &producer, &kafka, &filter)
+    const PAGE_BYTES: usize = 16 << 20;
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &kafka, &filter, PAGE_BYTES)
         .await
         .unwrap();
     assert_eq!(sent, 2);
@@ -535,7 +536,7 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     assert_eq!(replays.len(), 2);
     assert!(replays.iter().all(|m| m.key.as_deref() == Some("a")));
     // Without a filter, replay refuses to send the whole outbox.
-    let all = obx::outbox::replay::replay(&host.db, &producer, &kafka, &Default::default()).await;
+    let all = obx::outbox::replay::replay(&host.db, &producer, &kafka, &Default::default(), PAGE_BYTES).await;
     assert!(all.is_err());
     // Any id the caller gives is taken: `i64::MIN - 1` overflowed (a panic in a debug build).
     let lowest = obx::outbox::replay::ReplayFilter {
@@ -543,8 +544,16 @@ async fn replay_republishes_stored_events_marked_as_replays() {
         to_id: Some(0),
         ..Default::default()
     };
-    let none = obx::outbox::replay::replay(&host.db, &producer, &kafka, &lowest).await;
+    let none = obx::outbox::replay::replay(&host.db, &producer, &kafka, &lowest, PAGE_BYTES).await;
     assert_eq!(none.unwrap(), 0);
+    // Pages cut by their bytes, a row each: the replay goes on to the end of the range (it
+    // stopped after the first page, as if the range had ended).
+    let every = obx::outbox::replay::ReplayFilter {
+        from_id: Some(0),
+        ..Default::default()
+    };
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &kafka, &every, 1).await;
+    assert_eq!(sent.unwrap(), 4);
     host.shutdown().await;
 }
 

@@ -188,7 +188,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
         lag,
         brokers: brokers.clone(),
         kafka: config.kafka.clone(),
-        linger_ms: config.relay.linger_ms,
+        relay: config.relay.clone(),
         service: config.service.name.clone(),
         readiness: Default::default(),
     };

@@ -102,7 +102,7 @@ pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Jso
     let producer = match crate::outbox::relay::producer(
         &state.brokers,
         &state.kafka,
-        state.linger_ms,
+        state.relay.linger_ms,
         Some(Duration::from_secs(30)),
     ) {
         Ok(p) => p,
@@ -115,7 +115,14 @@ pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Jso
             );
         }
     };
-    let result = crate::outbox::replay::replay(&state.pool, &producer, &state.kafka, &filter).await;
+    let result = crate::outbox::replay::replay(
+        &state.pool,
+        &producer,
+        &state.kafka,
+        &filter,
+        state.relay.batch_max_bytes,
+    )
+    .await;
     // Dropping a producer waits for its threads: off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(producer)).await;
     match result {

@@ -43,7 +43,8 @@ pub struct AppState {
     /// For replays through the admin API: the host's brokers and Kafka settings.
     pub brokers: Arc<crate::kafka::Brokers>,
     pub kafka: crate::config::KafkaConfig,
-    pub linger_ms: u32,
+    /// The relay's settings, which replays follow (`linger_ms`, `batch_max_bytes`).
+    pub relay: crate::config::RelayConfig,
     /// `service.name`, for the event catalogue.
     pub service: String,
     /// Postgres's last answer to `/readyz`.

@@ -391,7 +391,8 @@ pub(super) async fn outbox_replay(
         config.relay.linger_ms,
         Some(std::time::Duration::from_secs(30)),
     )?;
-    let sent = crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter).await?;
+    let sent =
+        crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter, config.relay.batch_max_bytes).await?;
     println!("replayed {sent} events");
     Ok(ExitCode::SUCCESS)
 }

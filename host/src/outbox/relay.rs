@@ -104,6 +104,20 @@ pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggr
      obx.outbox_shard(o.partition_key) AS shard, o.traceparent, o.plugin_name";
 
 impl OutboxRow {
+    /// What the row weighs in memory and in a Kafka message: its payload, key and the
+    /// fields its headers carry.
+    pub fn bytes(&self) -> usize {
+        const FRAMING: usize = 256;
+        self.payload.len()
+            + self.partition_key.len()
+            + self.aggregate_type.len()
+            + self.aggregate_id.len()
+            + self.event_type.len()
+            + self.topic.len()
+            + self.traceparent.as_ref().map_or(0, String::len)
+            + FRAMING
+    }
+
     /// The Kafka headers of this row. The first two are named as in the seed, so that
     /// services following it can read them; `obx-plugin` names the plugin that emitted it
     /// (from the session it was written on), and `traceparent` carries the trace on. Where
@@ -266,6 +280,8 @@ struct State {
     locks: Option<LockSpace>,
     /// The installation's wake-up channel, read with the connection.
     channel: Option<String>,
+    /// How many rows the next claim asks for (see [`next_claim_limit`]).
+    claim_limit: u32,
     producer: Option<FutureProducer>,
     /// Sent rows whose delivery report has not arrived yet, by row id.
     inflight: HashMap<i64, Inflight>,
@@ -291,6 +307,7 @@ impl Relay {
             conn: None,
             locks: None,
             channel: None,
+            claim_limit: self.config.batch_size,
             producer: None,
             inflight: HashMap::new(),
             shards: BTreeSet::new(),
@@ -525,9 +542,11 @@ impl Relay {
         );
         let rows = sqlx::query_as::<_, OutboxRow>(&claim)
             .bind(&shards)
-            .bind(self.config.batch_size as i64)
+            .bind(i64::from(st.claim_limit))
             .fetch(&mut *tx);
         let (rows, cut) = within_bytes(rows, self.config.batch_max_bytes).await?;
+        let full = rows.len() as u32 >= st.claim_limit;
+        st.claim_limit = next_claim_limit(st.claim_limit, &rows, cut, &self.config);
         if rows.is_empty() && st.inflight.is_empty() {
             tx.commit().await?;
             return Ok(Outcome::Idle);
@@ -718,7 +737,7 @@ impl Relay {
             Outcome::Backoff
         } else if pending > 0 {
             Outcome::Waiting
-        } else if cut || rows.len() as u32 >= self.config.batch_size {
+        } else if cut || full {
             Outcome::More
         } else {
             Outcome::Idle
@@ -888,8 +907,8 @@ fn rand_i32() -> i32 {
     uuid::Uuid::new_v4().as_u128() as i32
 }
 
-/// The first rows of a claim, in id order, whose payloads fit in `max_bytes` (the first row
-/// always), and whether the claim had more. The rest is read and dropped: those rows stay
+/// The first rows of a claim, in id order, that fit in `max_bytes` (the first row always),
+/// and whether the claim had more. The rest is read and dropped: those rows stay
 /// unpublished, for the next step. So a claim of large rows, and the producer's queue after
 /// it, holds a bounded amount of memory, and a key's rows still go out in order.
 pub(super) async fn within_bytes<S>(mut rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
@@ -899,13 +918,29 @@ where
     use futures::TryStreamExt;
     let (mut kept, mut bytes) = (Vec::new(), 0usize);
     while let Some(row) = rows.try_next().await? {
-        bytes = bytes.saturating_add(row.payload.len());
+        bytes = bytes.saturating_add(row.bytes());
         if !kept.is_empty() && bytes > max_bytes {
             return Ok((kept, true));
         }
         kept.push(row);
     }
     Ok((kept, false))
+}
+
+/// The rows the next claim asks Postgres for. A claim cut by its bytes was read whole all the
+/// same (Postgres sends every row of the query, and the rest are dropped), so the next one
+/// asks for as many rows as fitted; a full claim well within its bytes asks for twice as many,
+/// up to `batch_size`. A backlog of large rows thus costs the database about what it sends.
+fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, config: &RelayConfig) -> u32 {
+    let rows = kept.len() as u32;
+    let bytes: usize = kept.iter().map(OutboxRow::bytes).sum();
+    if cut {
+        rows.max(1)
+    } else if rows >= limit && bytes <= config.batch_max_bytes / 2 {
+        limit.saturating_mul(2).min(config.batch_size)
+    } else {
+        limit
+    }
 }
 
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
@@ -1038,7 +1073,26 @@ mod tests {
         }
     }
 
-    /// A claim keeps the rows whose payloads fit, in order, and always its first row.
+    /// After a claim cut by its bytes, the next asks for as many rows as fitted; after a full
+    /// one well within them, for twice as many, up to `batch_size`.
+    #[test]
+    fn a_claim_asks_for_about_as_many_rows_as_fit() {
+        let config = RelayConfig {
+            batch_size: 100,
+            batch_max_bytes: 100_000,
+            ..Default::default()
+        };
+        let rows = |n: usize, each: usize| (0..n as i64).map(|i| row(i, each)).collect::<Vec<_>>();
+        assert_eq!(next_claim_limit(100, &rows(3, 3_000), true, &config), 3);
+        assert_eq!(next_claim_limit(1, &rows(1, 50_000), true, &config), 1);
+        assert_eq!(next_claim_limit(3, &rows(3, 100), false, &config), 6);
+        assert_eq!(next_claim_limit(3, &rows(3, 20_000), false, &config), 3);
+        assert_eq!(next_claim_limit(80, &rows(80, 10), false, &config), 100);
+        assert_eq!(next_claim_limit(10, &rows(4, 10), false, &config), 10);
+    }
+
+    /// A claim keeps the rows that fit, in order, and always its first row. A row weighs its
+    /// payload, its key and its headers' fields.
     #[tokio::test]
     async fn a_claim_keeps_the_first_rows_within_its_bytes() {
         let claim = |sizes: &[usize]| {
@@ -1047,17 +1101,30 @@ mod tests {
             futures::stream::iter(rows)
         };
         let ids = |(rows, cut): (Vec<OutboxRow>, bool)| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), cut);
+        let (empty, tiny) = (row(0, 0).bytes(), row(0, 10).bytes());
+        assert!(empty > 0 && tiny == empty + 10);
+        let budget = 2 * tiny + 5;
         assert_eq!(
-            ids(within_bytes(claim(&[10, 10, 10]), 25).await.unwrap()),
+            ids(within_bytes(claim(&[10, 10, 10]), budget).await.unwrap()),
             (vec![0, 1], true)
         );
         assert_eq!(
-            ids(within_bytes(claim(&[10, 10, 5]), 25).await.unwrap()),
+            ids(within_bytes(claim(&[10, 10]), budget).await.unwrap()),
+            (vec![0, 1], false)
+        );
+        assert_eq!(
+            ids(within_bytes(claim(&[10, 10, 0]), 2 * tiny + empty).await.unwrap()),
             (vec![0, 1, 2], false)
         );
-        assert_eq!(ids(within_bytes(claim(&[100, 1]), 25).await.unwrap()), (vec![0], true));
-        assert_eq!(ids(within_bytes(claim(&[100]), 25).await.unwrap()), (vec![0], false));
-        assert_eq!(ids(within_bytes(claim(&[]), 25).await.unwrap()), (vec![], false));
+        assert_eq!(
+            ids(within_bytes(claim(&[5000, 1]), budget).await.unwrap()),
+            (vec![0], true)
+        );
+        assert_eq!(
+            ids(within_bytes(claim(&[5000]), budget).await.unwrap()),
+            (vec![0], false)
+        );
+        assert_eq!(ids(within_bytes(claim(&[]), budget).await.unwrap()), (vec![], false));
     }
 
     /// Shards whose lock this session really holds, as Postgres sees them.

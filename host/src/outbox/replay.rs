@@ -44,9 +44,6 @@ pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an
 /// The header that marks a replayed message.
 pub const REPLAY_HEADER: &str = "obx-replay";
 const PAGE: i64 = 1000;
-/// Payload bytes per page (its first row always), as a relay claim's default: a page of
-/// large rows, and the producer's queue after it, stays bounded.
-const PAGE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Replays every matching event, in id order, and waits until the broker has acknowledged
 /// each. Returns how many were sent.
@@ -55,6 +52,7 @@ pub async fn replay(
     producer: &FutureProducer,
     kafka: &crate::config::KafkaConfig,
     filter: &ReplayFilter,
+    page_bytes: usize,
 ) -> Result<u64> {
     let f = filter;
     if f.is_empty() {
@@ -83,7 +81,9 @@ pub async fn replay(
             .bind(&f.aggregate_id)
             .bind(PAGE)
             .fetch(pool);
-        let (rows, _) = within_bytes(rows, PAGE_BYTES).await.context("reading the outbox")?;
+        // A page of large rows, and the producer's queue after it, holds a bounded amount
+        // of memory, as a relay claim does (`relay.batch_max_bytes`).
+        let (rows, cut) = within_bytes(rows, page_bytes).await.context("reading the outbox")?;
         let Some(last) = rows.last() else { break };
         after = last.id;
         let mut deliveries = Vec::with_capacity(rows.len());
@@ -107,7 +107,7 @@ pub async fn replay(
             }
         }
         metrics::counter!("obx_outbox_replayed_total").increment(rows.len() as u64);
-        if (rows.len() as i64) < PAGE {
+        if !cut && (rows.len() as i64) < PAGE {
             break;
         }
     }
