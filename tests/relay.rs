@@ -888,8 +888,26 @@ async fn a_host_whose_partitioner_or_topic_prefix_differs_from_its_peers_refuses
         .err()
         .expect("a host with another topic prefix started");
     assert!(format!("{e:#}").contains("kafka.topic_prefix"), "{e:#}");
-    // The same settings: a second host of the service starts.
-    let second = obx::app::start(differing(&|_| {})).await.unwrap();
-    second.shutdown().await.unwrap();
+    // The same settings, or a partitioner that places keys alike, or another partitioner on
+    // a host that does not relay: each starts.
+    for (what, config) in [
+        ("the same settings", differing(&|_| {})),
+        (
+            "murmur2 with murmur2_random",
+            differing(&|c| c.kafka.partitioner = obx::config::Partitioner::Murmur2),
+        ),
+        (
+            "another partitioner, the relay off",
+            differing(&|c| {
+                c.kafka.partitioner = obx::config::Partitioner::ConsistentRandom;
+                c.relay.enabled = false;
+            }),
+        ),
+    ] {
+        let host = obx::app::start(config)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        host.shutdown().await.unwrap();
+    }
     first.shutdown().await;
 }

@@ -956,6 +956,12 @@ impl Config {
         if self.relay.batch_size == 0 {
             return invalid("relay.batch_size", "must be greater than 0");
         }
+        if self.kafka.partitioner == Partitioner::Random {
+            return invalid(
+                "kafka.partitioner",
+                "random puts each of a key's events on any partition, out of order; choose a hash",
+            );
+        }
         if self.relay.batch_max_bytes == 0 {
             return invalid("relay.batch_max_bytes", "must be greater than 0");
         }
@@ -1169,6 +1175,11 @@ mod tests {
                 "a reserved property as a topic setting",
                 "[kafka.properties]\n\"topic.acks\" = \"1\"",
                 "kafka.properties.topic.acks",
+            ),
+            (
+                "a partitioner that keeps no key's order",
+                "[kafka]\npartitioner = \"random\"",
+                "kafka.partitioner",
             ),
             (
                 "retries that end",

@@ -304,10 +304,12 @@ fn serve_stuck(service: &Service, rt: &tokio::runtime::Runtime, bound: &str) -> 
             .await
             .unwrap();
         assert_eq!(emitted.status(), 200);
-        // The handler spins inside its batch's transaction.
+        // The handler spins inside its batch's transaction, idle in it for over a second
+        // (the inbox processors' polls are idle in theirs for a moment only).
         let pool = sqlx::PgPool::connect(&service.pg.url("postgres")).await.unwrap();
         let spinning = "SELECT count(*) FROM pg_stat_activity a JOIN obx.plugin p ON p.role_name = a.usename \
-                        WHERE p.name = 'testbed' AND a.state = 'idle in transaction'";
+                        WHERE p.name = 'testbed' AND a.state = 'idle in transaction' \
+                          AND a.state_change < now() - interval '1 second'";
         let started = Instant::now();
         while scalar(&pool, spinning).await == 0 {
             assert!(

@@ -199,12 +199,14 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
 /// How many 5 s waits for the migration lock a host makes before it gives up.
 const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 
-/// Records this host's `kafka.partitioner` and `kafka.topic_prefix` for the installation if
-/// none are recorded yet, and refuses a host whose settings differ from those recorded: every
-/// host of a service relays the same keys, and a key must stay on one partition of one topic
-/// whichever host sends it (`migrations/0017_shared_kafka_settings.sql`).
-pub async fn check_shared_kafka_settings(pool: &PgPool, partitioner: &str, topic_prefix: &str) -> Result<()> {
-    let (recorded_partitioner, recorded_prefix): (String, String) = sqlx::query_as(
+/// Records this host's `kafka.partitioner` (if it relays: `None` if not) and
+/// `kafka.topic_prefix` for the installation if none are recorded yet, and refuses a host
+/// whose settings differ from those recorded: every host of a service relays the same keys,
+/// and a key must stay on one partition of one topic whichever host sends it
+/// (`migrations/0017_shared_kafka_settings.sql`). Partitioners that place keyed messages
+/// alike (`murmur2` and `murmur2_random`, say) are the same here.
+pub async fn check_shared_kafka_settings(pool: &PgPool, partitioner: Option<&str>, topic_prefix: &str) -> Result<()> {
+    let (recorded_partitioner, recorded_prefix): (Option<String>, String) = sqlx::query_as(
         "UPDATE obx.installation SET kafka_partitioner = coalesce(kafka_partitioner, $1), \
                 kafka_topic_prefix = coalesce(kafka_topic_prefix, $2) \
          RETURNING kafka_partitioner, kafka_topic_prefix",
@@ -214,29 +216,30 @@ pub async fn check_shared_kafka_settings(pool: &PgPool, partitioner: &str, topic
     .fetch_one(pool)
     .await
     .context("recording the installation's Kafka settings")?;
-    for (key, column, ours, recorded) in [
-        (
-            "kafka.partitioner",
-            "kafka_partitioner",
-            partitioner,
-            recorded_partitioner.as_str(),
-        ),
-        (
+    let placement = |name: &str| name.trim_end_matches("_random").to_string();
+    let partitioners = match (partitioner, recorded_partitioner.as_deref()) {
+        (Some(ours), Some(recorded)) => Some((ours, recorded)),
+        _ => None,
+    };
+    let differing = [
+        partitioners
+            .filter(|(ours, recorded)| placement(ours) != placement(recorded))
+            .map(|(ours, recorded)| ("kafka.partitioner", "kafka_partitioner", ours, recorded)),
+        (topic_prefix != recorded_prefix).then_some((
             "kafka.topic_prefix",
             "kafka_topic_prefix",
             topic_prefix,
             recorded_prefix.as_str(),
-        ),
-    ] {
-        if ours != recorded {
-            bail!(
-                "{key} is {ours:?} on this host but {recorded:?} on the hosts of this installation \
-                 (obx.installation.{column}): every host must use the same, or a key's events would \
-                 move to another partition or topic, out of order. To change it on purpose, stop \
-                 every host, run `UPDATE obx.installation SET {column} = NULL`, and start them with \
-                 the new setting"
-            );
-        }
+        )),
+    ];
+    if let Some((key, column, ours, recorded)) = differing.into_iter().flatten().next() {
+        bail!(
+            "{key} is {ours:?} on this host but {recorded:?} on the hosts of this installation \
+             (obx.installation.{column}): every host must use the same, or a key's events would \
+             move to another partition or topic, out of order. To change it on purpose, stop \
+             every host, let the outbox drain and the consumers catch up, run \
+             `UPDATE obx.installation SET {column} = NULL`, and start them with the new setting"
+        );
     }
     Ok(())
 }
