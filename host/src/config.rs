@@ -666,13 +666,11 @@ fn show_database_url<S: serde::Serializer>(url: &Option<Secret>, serializer: S) 
 /// matched too, and its `topic.` prefix for topic settings; names are case-sensitive there.
 fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
     let name = name.strip_prefix("topic.").unwrap_or(name);
+    let value = value.trim().to_ascii_lowercase();
     let (reason, ours): (&'static str, &[&str]) = match name {
         "enable.idempotence" => (ORDER, &["true"]),
-        "max.in.flight.requests.per.connection"
-        | "max.in.flight"
-        | "queuing.strategy"
-        | "retries"
-        | "message.send.max.retries" => (ORDER, &[]),
+        "max.in.flight.requests.per.connection" | "max.in.flight" | "queuing.strategy" => (ORDER, &[]),
+        "retries" | "message.send.max.retries" => (ORDER, &["2147483647"]),
         "acks" | "request.required.acks" => (
             "an event is marked published when the broker acknowledges it, and with fewer \
              acknowledgements than acks=all a broker's failure loses marked events",
@@ -703,7 +701,15 @@ fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
         ),
         _ => return None,
     };
-    (!ours.contains(&value)).then_some(reason)
+    (!ours.contains(&value.as_str())).then_some(reason)
+}
+
+/// Whether OBX sets this librdkafka property itself (see `reserved_kafka_property`): a
+/// client applies the user's properties again after its own settings, but not these, which
+/// may only repeat OBX's values and must not undo a client's own (replay's finite
+/// `message.timeout.ms`).
+pub fn obx_sets_kafka_property(name: &str) -> bool {
+    reserved_kafka_property(name, "\u{0}").is_some()
 }
 
 /// Why the relay's producer settings are reserved.
@@ -1070,9 +1076,10 @@ mod tests {
     fn kafka_properties_that_repeat_obx_own_values_are_accepted() {
         let mut c = Config::default();
         for (name, value) in [
-            ("acks", "all"),
+            ("acks", "ALL"),
             ("topic.request.required.acks", "-1"),
-            ("enable.idempotence", "true"),
+            ("enable.idempotence", "True"),
+            ("retries", "2147483647"),
             ("enable.auto.offset.store", "false"),
             ("auto.offset.reset", "earliest"),
             ("security.protocol", "SASL_SSL"),

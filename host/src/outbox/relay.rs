@@ -192,7 +192,8 @@ pub fn producer(
     message_timeout: Option<Duration>,
 ) -> Result<FutureProducer> {
     let mut config = brokers.client_config(kafka);
-    // Ours first, then the user's properties again, so that theirs win.
+    // Ours first, then the user's properties again, so that theirs win, but for those the
+    // guarantees rest on, which may only repeat ours.
     config
         .set("enable.idempotence", "true")
         .set("acks", "all")
@@ -206,7 +207,11 @@ pub fn producer(
         .set("retry.backoff.max.ms", "1000")
         .set("reconnect.backoff.ms", "50")
         .set("reconnect.backoff.max.ms", "1000");
-    for (key, value) in &kafka.properties {
+    for (key, value) in kafka
+        .properties
+        .iter()
+        .filter(|(k, _)| !crate::config::obx_sets_kafka_property(k))
+    {
         config.set(key, value.expose());
     }
     config.create().context("creating the Kafka producer")
