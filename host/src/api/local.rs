@@ -35,8 +35,9 @@ pub async fn only_local(request: Request, next: Next) -> Response {
     error_response(
         StatusCode::FORBIDDEN,
         "local_only",
-        "this host has no API tokens, so it serves callers on its own machine only: the Host \
-         (and any Origin) must name localhost or a loopback address; configure http.auth \
+        "this host has no API tokens, so it serves callers on its own machine that are not web \
+         pages: the Host must name localhost or a loopback address, an Origin must be the \
+         host's own, and a Sec-Fetch-Site must be same-origin or none; configure http.auth \
          tokens to serve anyone else",
     )
 }

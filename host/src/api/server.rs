@@ -14,9 +14,11 @@
 //! - A request's body and handling are bounded by the router's own layers
 //!   (`http.max_body_bytes`, `http.request_timeout`).
 //! - At shutdown, connections finish the requests they are serving for `drain` at most
-//!   (half of `http.shutdown_timeout`); then the rest are cut, their commands rolled back,
-//!   so that a slow command or a peer that takes its answer a few bytes at a time cannot
-//!   spend the time the consumers and the relay need to stop in order.
+//!   (half of `http.shutdown_timeout`); then the rest are cut, so that a slow command or a
+//!   peer that takes its answer a few bytes at a time cannot spend the time the consumers and
+//!   the relay need to stop in order. A cut command rolls back, unless its `COMMIT` had been
+//!   sent: then it may have taken effect, as after a crash, and its client, which sees the
+//!   connection closed, learns which by retrying with its `Idempotency-Key`.
 
 use std::future::Future;
 use std::io;
@@ -108,7 +110,9 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
         tracing::warn!(
             connections = open_tx.receiver_count(),
             drain = ?limits.drain,
-            "connections still busy at the end of the shutdown's drain are cut; their commands roll back"
+            "connections still busy at the end of the shutdown's drain are cut: a command whose \
+             COMMIT had not been sent rolls back, one whose COMMIT had been may have taken effect \
+             (a retry with its Idempotency-Key answers which)"
         );
         let _ = cut_tx.send(true);
         open_tx.closed().await;
