@@ -511,7 +511,7 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     let producer = obx::outbox::relay::producer(
         &host.host.brokers,
         &Default::default(),
-        1,
+        &Default::default(),
         Some(Duration::from_secs(10)),
     )
     .unwrap();
@@ -882,6 +882,21 @@ async fn a_host_whose_partitioner_or_topic_prefix_differs_from_its_peers_refuses
         e.contains("kafka.partitioner") && e.contains("kafka_partitioner = NULL"),
         "{e}"
     );
+    // Nor may a replay publish with another partitioner.
+    let replaying = differing(&|c| c.kafka.partitioner = obx::config::Partitioner::ConsistentRandom);
+    let producer = obx::outbox::relay::producer(
+        &first.host.brokers,
+        &replaying.kafka,
+        &Default::default(),
+        Some(Duration::from_secs(5)),
+    )
+    .unwrap();
+    let every = obx::outbox::replay::ReplayFilter {
+        from_id: Some(0),
+        ..Default::default()
+    };
+    let e = obx::outbox::replay::replay(&first.db, &producer, &replaying.kafka, &every, 1 << 20).await;
+    assert!(format!("{:#}", e.unwrap_err()).contains("kafka.partitioner"));
     let prefix = differing(&|c| c.kafka.topic_prefix = "elsewhere.".into());
     let e = obx::app::start(prefix)
         .await

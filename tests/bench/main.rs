@@ -273,7 +273,11 @@ async fn relay(rows: u32, rate: u32, duration: Duration) -> Result<()> {
         ..Default::default()
     };
     let brokers = obx::kafka::Brokers::start(&kafka)?;
-    let producer = obx::outbox::relay::producer(&brokers, &kafka, 1, None)?;
+    let relay = obx::config::RelayConfig {
+        linger_ms: 1,
+        ..Default::default()
+    };
+    let producer = obx::outbox::relay::producer(&brokers, &kafka, &relay, None)?;
     let raw = raw_produce(&producer, &stored, "bench.raw").await?;
     drop(producer);
 

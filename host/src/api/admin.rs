@@ -102,7 +102,7 @@ pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Jso
     let producer = match crate::outbox::relay::producer(
         &state.brokers,
         &state.kafka,
-        state.relay.linger_ms,
+        &state.relay,
         Some(Duration::from_secs(30)),
     ) {
         Ok(p) => p,

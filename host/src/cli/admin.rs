@@ -388,7 +388,7 @@ pub(super) async fn outbox_replay(
     let producer = crate::outbox::relay::producer(
         &brokers,
         &config.kafka,
-        config.relay.linger_ms,
+        &config.relay,
         Some(std::time::Duration::from_secs(30)),
     )?;
     let sent =

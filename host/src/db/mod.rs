@@ -204,18 +204,27 @@ const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 /// whose settings differ from those recorded: every host of a service relays the same keys,
 /// and a key must stay on one partition of one topic whichever host sends it
 /// (`migrations/0017_shared_kafka_settings.sql`). Partitioners that place keyed messages
-/// alike (`murmur2` and `murmur2_random`, say) are the same here.
-pub async fn check_shared_kafka_settings(pool: &PgPool, partitioner: Option<&str>, topic_prefix: &str) -> Result<()> {
-    let (recorded_partitioner, recorded_prefix): (Option<String>, String) = sqlx::query_as(
+/// alike (`murmur2` and `murmur2_random`, say) are the same here. Without `record`, only
+/// compares (a replay: it publishes, and records nothing).
+pub async fn check_shared_kafka_settings(
+    pool: &PgPool,
+    partitioner: Option<&str>,
+    topic_prefix: &str,
+    record: bool,
+) -> Result<()> {
+    let sql = if record {
         "UPDATE obx.installation SET kafka_partitioner = coalesce(kafka_partitioner, $1), \
                 kafka_topic_prefix = coalesce(kafka_topic_prefix, $2) \
-         RETURNING kafka_partitioner, kafka_topic_prefix",
-    )
-    .bind(partitioner)
-    .bind(topic_prefix)
-    .fetch_one(pool)
-    .await
-    .context("recording the installation's Kafka settings")?;
+         RETURNING kafka_partitioner, kafka_topic_prefix"
+    } else {
+        "SELECT coalesce(kafka_partitioner, $1), coalesce(kafka_topic_prefix, $2) FROM obx.installation"
+    };
+    let (recorded_partitioner, recorded_prefix): (Option<String>, String) = sqlx::query_as(sql)
+        .bind(partitioner)
+        .bind(topic_prefix)
+        .fetch_one(pool)
+        .await
+        .context("recording the installation's Kafka settings")?;
     let placement = |name: &str| name.trim_end_matches("_random").to_string();
     let partitioners = match (partitioner, recorded_partitioner.as_deref()) {
         (Some(ours), Some(recorded)) => Some((ours, recorded)),

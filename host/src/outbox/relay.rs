@@ -185,12 +185,17 @@ impl OutboxRow {
 
 /// An idempotent producer. The relay's messages never expire (`message_timeout` `None`),
 /// which keeps a key's order through any outage; replay gives up after a bound instead.
+/// Its queue (messages not yet acknowledged) holds what [`STUCK_BATCHES`] claims and two
+/// more may: rows the broker never answers are passed by, and the claims that follow would
+/// otherwise queue `relay.batch_max_bytes` more at every step, up to librdkafka's 1 GiB.
+/// Past it a send is refused as back-pressure, and the step queues no more.
 pub fn producer(
     brokers: &Brokers,
     kafka: &KafkaConfig,
-    linger_ms: u32,
+    relay: &RelayConfig,
     message_timeout: Option<Duration>,
 ) -> Result<FutureProducer> {
+    let queue_bytes = ((STUCK_BATCHES + 2) * relay.batch_max_bytes).max(4 * kafka.producer_max_message_bytes());
     let mut config = brokers.client_config(kafka);
     // Ours first, then the user's properties again, so that theirs win, but for those the
     // guarantees rest on, which may only repeat ours.
@@ -201,7 +206,8 @@ pub fn producer(
             "message.timeout.ms",
             message_timeout.map_or(0, |t| t.as_millis()).to_string(),
         )
-        .set("linger.ms", linger_ms.to_string())
+        .set("linger.ms", relay.linger_ms.to_string())
+        .set("queue.buffering.max.kbytes", queue_bytes.div_ceil(1024).to_string())
         .set("partitioner", kafka.partitioner.librdkafka_name())
         .set("retry.backoff.ms", "50")
         .set("retry.backoff.max.ms", "1000")
@@ -434,7 +440,7 @@ impl Relay {
                 oldest.elapsed()
             )
         };
-        let fresh = producer(&self.brokers, &self.kafka, self.config.linger_ms, None)?;
+        let fresh = producer(&self.brokers, &self.kafka, &self.config, None)?;
         let probe = fresh.clone();
         let answers =
             tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
@@ -493,7 +499,7 @@ impl Relay {
             return Ok(Outcome::Idle);
         }
         if st.producer.is_none() {
-            st.producer = Some(producer(&self.brokers, &self.kafka, self.config.linger_ms, None)?);
+            st.producer = Some(producer(&self.brokers, &self.kafka, &self.config, None)?);
         }
         let producer = st.producer.as_ref().expect("built above");
 
@@ -551,7 +557,13 @@ impl Relay {
             .fetch(&mut *tx);
         let (rows, cut) = within_bytes(rows, self.config.batch_max_bytes).await?;
         let full = rows.len() as u32 >= st.claim_limit;
-        st.claim_limit = next_claim_limit(st.claim_limit, &rows, cut, &self.config);
+        st.claim_limit = next_claim_limit(
+            st.claim_limit,
+            &rows,
+            cut,
+            self.config.batch_size,
+            self.config.batch_max_bytes,
+        );
         if rows.is_empty() && st.inflight.is_empty() {
             tx.commit().await?;
             return Ok(Outcome::Idle);
@@ -936,13 +948,13 @@ where
 /// same (Postgres sends every row of the query, and the rest are dropped), so the next one
 /// asks for as many rows as fitted; a full claim well within its bytes asks for twice as many,
 /// up to `batch_size`. A backlog of large rows thus costs the database about what it sends.
-fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, config: &RelayConfig) -> u32 {
+pub(super) fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, most_rows: u32, most_bytes: usize) -> u32 {
     let rows = kept.len() as u32;
     let bytes: usize = kept.iter().map(OutboxRow::bytes).sum();
     if cut {
         rows.max(1)
-    } else if rows >= limit && bytes <= config.batch_max_bytes / 2 {
-        limit.saturating_mul(2).min(config.batch_size)
+    } else if rows >= limit && bytes <= most_bytes / 2 {
+        limit.saturating_mul(2).min(most_rows)
     } else {
         limit
     }
@@ -1082,18 +1094,14 @@ mod tests {
     /// one well within them, for twice as many, up to `batch_size`.
     #[test]
     fn a_claim_asks_for_about_as_many_rows_as_fit() {
-        let config = RelayConfig {
-            batch_size: 100,
-            batch_max_bytes: 100_000,
-            ..Default::default()
-        };
+        const MOST: usize = 100_000;
         let rows = |n: usize, each: usize| (0..n as i64).map(|i| row(i, each)).collect::<Vec<_>>();
-        assert_eq!(next_claim_limit(100, &rows(3, 3_000), true, &config), 3);
-        assert_eq!(next_claim_limit(1, &rows(1, 50_000), true, &config), 1);
-        assert_eq!(next_claim_limit(3, &rows(3, 100), false, &config), 6);
-        assert_eq!(next_claim_limit(3, &rows(3, 20_000), false, &config), 3);
-        assert_eq!(next_claim_limit(80, &rows(80, 10), false, &config), 100);
-        assert_eq!(next_claim_limit(10, &rows(4, 10), false, &config), 10);
+        assert_eq!(next_claim_limit(100, &rows(3, 3_000), true, 100, MOST), 3);
+        assert_eq!(next_claim_limit(1, &rows(1, 50_000), true, 100, MOST), 1);
+        assert_eq!(next_claim_limit(3, &rows(3, 100), false, 100, MOST), 6);
+        assert_eq!(next_claim_limit(3, &rows(3, 20_000), false, 100, MOST), 3);
+        assert_eq!(next_claim_limit(80, &rows(80, 10), false, 100, MOST), 100);
+        assert_eq!(next_claim_limit(10, &rows(4, 10), false, 100, MOST), 10);
     }
 
     /// A claim keeps the rows that fit, in order, and always its first row. A row weighs its

@@ -12,7 +12,7 @@ use rdkafka::message::Header;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 
-use super::relay::{within_bytes, OutboxRow, OUTBOX_ROW_COLUMNS};
+use super::relay::{next_claim_limit, within_bytes, OutboxRow, OUTBOX_ROW_COLUMNS};
 
 /// Which events to replay. Every given condition must hold; at least one must be given.
 #[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
@@ -43,7 +43,7 @@ pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an
 
 /// The header that marks a replayed message.
 pub const REPLAY_HEADER: &str = "obx-replay";
-const PAGE: i64 = 1000;
+const PAGE: u32 = 1000;
 
 /// Replays every matching event, in id order, and waits until the broker has acknowledged
 /// each. Returns how many were sent.
@@ -58,6 +58,9 @@ pub async fn replay(
     if f.is_empty() {
         bail!(NO_FILTER);
     }
+    // A replayed key goes where its live events went.
+    let partitioner = kafka.partitioner.librdkafka_name();
+    crate::db::check_shared_kafka_settings(pool, Some(partitioner), &kafka.topic_prefix, false).await?;
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let mut sent = 0u64;
@@ -71,6 +74,8 @@ pub async fn replay(
                AND ($6::text IS NULL OR o.aggregate_id = $6) \
              ORDER BY o.id LIMIT $7"
     );
+    // Rows asked for: as for a relay claim, about as many as fitted in the last page.
+    let mut limit = PAGE;
     loop {
         let rows = sqlx::query_as::<_, OutboxRow>(&page)
             .bind(after)
@@ -79,7 +84,7 @@ pub async fn replay(
             .bind(f.until)
             .bind(&f.aggregate_type)
             .bind(&f.aggregate_id)
-            .bind(PAGE)
+            .bind(i64::from(limit))
             .fetch(pool);
         // A page of large rows, and the producer's queue after it, holds a bounded amount
         // of memory, as a relay claim does (`relay.batch_max_bytes`).
@@ -107,9 +112,10 @@ pub async fn replay(
             }
         }
         metrics::counter!("obx_outbox_replayed_total").increment(rows.len() as u64);
-        if !cut && (rows.len() as i64) < PAGE {
+        if !cut && (rows.len() as u32) < limit {
             break;
         }
+        limit = next_claim_limit(limit, &rows, cut, PAGE, page_bytes);
     }
     Ok(sent)
 }
