@@ -3,7 +3,7 @@
 -- a host with another partitioner would put a key's later events on another partition, where
 -- consumers read them out of order with its earlier ones. The first host of this version to
 -- start records its settings; a host whose settings differ refuses to start
--- (`db::check_shared_kafka_settings`). NULL: not recorded yet.
+-- (`db::installation::check_shared_kafka_settings`). NULL: not recorded yet.
 ALTER TABLE obx.installation
     ADD COLUMN kafka_partitioner text,
     ADD COLUMN kafka_topic_prefix text;

@@ -276,6 +276,11 @@ async fn a_host_without_tokens_serves_no_web_page_and_no_rebound_name() {
         let (status, _) = raw(&host, &format!("GET /v1/status HTTP/1.1\r\n{head}"), "").await;
         assert_eq!(status, 403, "{head}");
     }
+    // Health and readiness stay open, for probes through any name.
+    for path in ["/healthz", "/readyz"] {
+        let head = format!("GET {path} HTTP/1.1\r\nHost: rebound.evil.example:{port}");
+        assert_eq!(raw(&host, &head, "").await.0, 200, "{path}");
+    }
     assert_eq!(
         host.count("SELECT count(*) FROM obx.outbox_event").await,
         0,

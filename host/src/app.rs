@@ -74,7 +74,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
     let pool = db::connect(&url, &config.database).await?;
     db::migrate(&pool).await?;
     let relays = config.relay.enabled.then(|| config.kafka.partitioner.librdkafka_name());
-    db::check_shared_kafka_settings(&pool, relays, &config.kafka.topic_prefix, true).await?;
+    db::installation::check_shared_kafka_settings(&pool, relays, &config.kafka.topic_prefix, true).await?;
     warn_if_superuser(&pool).await;
     for advice in config.advice() {
         tracing::warn!("{advice}");
@@ -244,8 +244,9 @@ impl Host {
     }
 
     /// Stops in order: readiness goes false; the HTTP server stops accepting and lets
-    /// in-flight commands finish; consumers and inbox processors finish the event in hand and
-    /// commit their offsets; the relay flushes what it has in flight; the pool closes.
+    /// in-flight commands finish, for its drain at most (half of `http.shutdown_timeout`);
+    /// consumers and inbox processors finish the event in hand and commit their offsets; the
+    /// relay flushes what it has in flight; the pool closes.
     pub async fn shutdown(self) -> Result<()> {
         self.ready.store(false, Ordering::SeqCst);
         let _ = self.stop_http.send(true);

@@ -168,8 +168,9 @@ pub struct HttpConfig {
     #[serde(with = "humantime_serde")]
     pub write_timeout: Duration,
     /// How long a graceful shutdown (SIGTERM or SIGINT) may take: in-flight commands (for
-    /// half of it at most; those still running then are cut and rolled back) and events, the
-    /// relay's last batch. A second signal stops at once.
+    /// half of it at most; those still running then are cut and rolled back, or, if their
+    /// `COMMIT` had been sent, may have taken effect) and events, the relay's last batch. A
+    /// second signal stops at once.
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
     pub auth: AuthConfig,
@@ -417,6 +418,17 @@ pub const MESSAGE_OVERHEAD_BYTES: usize = 8 * 1024;
 impl KafkaConfig {
     /// The largest message the producer will send: `message.max.bytes` from the properties,
     /// or librdkafka's default.
+    /// The user's librdkafka properties that a client applies: all but those OBX keeps to
+    /// itself (see `reserved_kafka_name`), which may only repeat OBX's values and, under
+    /// another of their names (`delivery.timeout.ms`, `topic.message.timeout.ms`), could win
+    /// over the value a client sets (replay's finite `message.timeout.ms`).
+    pub fn user_properties(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.properties
+            .iter()
+            .filter(|(name, _)| reserved_kafka_name(name).is_none())
+            .map(|(name, value)| (name.as_str(), value.expose()))
+    }
+
     pub fn producer_max_message_bytes(&self) -> usize {
         self.properties
             .get("message.max.bytes")
@@ -432,7 +444,8 @@ pub struct RelayConfig {
     pub enabled: bool,
     /// Rows claimed per transaction.
     pub batch_size: u32,
-    /// Payload bytes claimed per transaction (a claim keeps at least one row): with rows of
+    /// Bytes claimed per transaction, of payloads, keys and header fields (a claim keeps at
+    /// least one row): with rows of
     /// up to `limits.max_payload_bytes`, `batch_size` alone would let one claim, and the
     /// producer's queue after it, hold about a gigabyte.
     pub batch_max_bytes: usize,
@@ -660,17 +673,19 @@ fn show_database_url<S: serde::Serializer>(url: &Option<Secret>, serializer: S) 
     }
 }
 
-/// Why OBX keeps a librdkafka property to itself, if it does and `value` is not the one OBX
-/// sets anyway: the delivery guarantees rest on these values, and `kafka.properties` would
-/// override them for the relay's producer and the consumers alike. librdkafka's aliases are
-/// matched too, and its `topic.` prefix for topic settings; names are case-sensitive there.
-fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
+/// A librdkafka property OBX keeps to itself: why, and the values that only repeat what OBX
+/// uses anyway (none: refused whatever its value). The delivery guarantees rest on these,
+/// and `kafka.properties` would override them for the relay's producer and the consumers
+/// alike. librdkafka's aliases are matched too, and its `topic.` prefix for topic settings;
+/// names are case-sensitive there.
+fn reserved_kafka_name(name: &str) -> Option<(&'static str, &'static [&'static str])> {
     let name = name.strip_prefix("topic.").unwrap_or(name);
-    let value = value.trim().to_ascii_lowercase();
-    let (reason, ours): (&'static str, &[&str]) = match name {
+    Some(match name {
         "enable.idempotence" => (ORDER, &["true"]),
-        "max.in.flight.requests.per.connection" | "max.in.flight" | "queuing.strategy" => (ORDER, &[]),
+        "max.in.flight.requests.per.connection" | "max.in.flight" => (ORDER, &[]),
+        "queuing.strategy" => (ORDER, &["fifo"]),
         "retries" | "message.send.max.retries" => (ORDER, &["2147483647"]),
+        "enable.gapless.guarantee" => ("the relay handles a failed send itself, in its key's order", &["false"]),
         "acks" | "request.required.acks" => (
             "an event is marked published when the broker acknowledges it, and with fewer \
              acknowledgements than acks=all a broker's failure loses marked events",
@@ -681,15 +696,8 @@ fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
             &["0"],
         ),
         "partitioner" => ("set kafka.partitioner, which every host of the service must share", &[]),
-        "enable.gapless.guarantee" => ("the relay handles a failed send itself, in its key's order", &[]),
-        "enable.auto.offset.store" | "enable.auto.commit" | "auto.commit.enable" => (
-            "a consumer stores an offset only once its event's transaction has committed, and \
-             commits the stored ones itself; otherwise a crash could skip events",
-            match name {
-                "enable.auto.offset.store" => &["false"],
-                _ => &["true"],
-            },
-        ),
+        "enable.auto.offset.store" => (OFFSETS, &["false"]),
+        "enable.auto.commit" | "auto.commit.enable" => (OFFSETS, &["true"]),
         "auto.offset.reset" => (
             "a new consumer group starts at the earliest events, so that none is skipped",
             &["earliest", "smallest", "beginning"],
@@ -700,20 +708,22 @@ fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
             &[],
         ),
         _ => return None,
-    };
-    (!ours.contains(&value.as_str())).then_some(reason)
+    })
 }
 
-/// Whether OBX sets this librdkafka property itself (see `reserved_kafka_property`): a
-/// client applies the user's properties again after its own settings, but not these, which
-/// may only repeat OBX's values and must not undo a client's own (replay's finite
-/// `message.timeout.ms`).
-pub fn obx_sets_kafka_property(name: &str) -> bool {
-    reserved_kafka_property(name, "\u{0}").is_some()
+/// Why a `kafka.properties` entry is refused, if it is: a reserved property set to anything
+/// but what OBX uses anyway (compared without case).
+fn reserved_kafka_property(name: &str, value: &str) -> Option<&'static str> {
+    let (reason, ours) = reserved_kafka_name(name)?;
+    let value = value.trim().to_ascii_lowercase();
+    (!ours.contains(&value.as_str())).then_some(reason)
 }
 
 /// Why the relay's producer settings are reserved.
 const ORDER: &str = "a retried batch could land after a later one, out of its key's order";
+/// Why the consumers' offset settings are reserved.
+const OFFSETS: &str = "a consumer stores an offset only once its event's transaction has committed, and \
+                       commits the stored ones itself; otherwise a crash could skip events";
 
 /// Kafka properties, with the values of those that may be credentials redacted.
 fn show_kafka_properties<S: serde::Serializer>(

@@ -52,15 +52,8 @@ impl Brokers {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.bootstrap)
             .set("client.id", &config.client_id);
-        // Not those the guarantees rest on: they may only repeat OBX's values, and under
-        // another of their names (`delivery.timeout.ms`, `topic.message.timeout.ms`) one could
-        // win over the value a client sets (replay's finite `message.timeout.ms`).
-        for (key, value) in config
-            .properties
-            .iter()
-            .filter(|(k, _)| !crate::config::obx_sets_kafka_property(k))
-        {
-            c.set(key, value.expose());
+        for (key, value) in config.user_properties() {
+            c.set(key, value);
         }
         c
     }

@@ -14,9 +14,10 @@
 //! - a `Sec-Fetch-Site`, which browsers send with every request, even a no-cors `GET` that
 //!   carries no `Origin`, must be `same-origin` or `none` (typed in by the user).
 //!
-//! Anything else gets 403 `local_only`, before authentication, routing or a body is read.
-//! With tokens configured this layer is not installed: a browser does not attach bearer
-//! tokens on its own, and a host behind a proxy sees the proxy's names.
+//! Anything else gets 403 `local_only`, before the handler runs or a body is read. Health and
+//! readiness stay open, for probes, as they do with tokens. With tokens configured this layer
+//! is not installed: a browser does not attach bearer tokens on its own, and a host behind a
+//! proxy sees the proxy's names.
 
 use std::net::IpAddr;
 

@@ -98,23 +98,23 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .route("/v1/outbox/replay", post(admin::outbox_replay))
         .route("/v1/catalog", get(admin::catalog))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
-    let router = Router::new()
+    let api = commands.merge(admin);
+    // Without tokens, only this machine's callers, and no web page (see `local`). Health
+    // and readiness stay open, for probes, as they do with tokens.
+    let api = match http.auth.enabled() {
+        true => api,
+        false => api.route_layer(axum::middleware::from_fn(local::only_local)),
+    };
+    Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .merge(commands)
-        .merge(admin)
+        .merge(api)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(http.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             http.request_timeout,
             deadline::deadline,
-        ));
-    // Without tokens, only this machine's callers, and no web page (see `local`).
-    let router = match http.auth.enabled() {
-        true => router,
-        false => router.layer(axum::middleware::from_fn(local::only_local)),
-    };
-    router
+        ))
         .layer(axum::middleware::map_response(errors::json_errors))
         .with_state(Arc::new(state))
 }

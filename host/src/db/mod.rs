@@ -11,6 +11,7 @@
 //!   sessions ([`sessions`]).
 
 pub mod embedded;
+pub mod installation;
 pub mod literal;
 pub mod locks;
 pub mod login;
@@ -19,7 +20,7 @@ pub mod sessions;
 
 use std::str::FromStr;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
@@ -198,60 +199,6 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
 
 /// How many 5 s waits for the migration lock a host makes before it gives up.
 const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
-
-/// Records this host's `kafka.partitioner` (if it relays: `None` if not) and
-/// `kafka.topic_prefix` for the installation if none are recorded yet, and refuses a host
-/// whose settings differ from those recorded: every host of a service relays the same keys,
-/// and a key must stay on one partition of one topic whichever host sends it
-/// (`migrations/0017_shared_kafka_settings.sql`). Partitioners that place keyed messages
-/// alike (`murmur2` and `murmur2_random`, say) are the same here. Without `record`, only
-/// compares (a replay: it publishes, and records nothing).
-pub async fn check_shared_kafka_settings(
-    pool: &PgPool,
-    partitioner: Option<&str>,
-    topic_prefix: &str,
-    record: bool,
-) -> Result<()> {
-    let sql = if record {
-        "UPDATE obx.installation SET kafka_partitioner = coalesce(kafka_partitioner, $1), \
-                kafka_topic_prefix = coalesce(kafka_topic_prefix, $2) \
-         RETURNING kafka_partitioner, kafka_topic_prefix"
-    } else {
-        "SELECT coalesce(kafka_partitioner, $1), coalesce(kafka_topic_prefix, $2) FROM obx.installation"
-    };
-    let (recorded_partitioner, recorded_prefix): (Option<String>, String) = sqlx::query_as(sql)
-        .bind(partitioner)
-        .bind(topic_prefix)
-        .fetch_one(pool)
-        .await
-        .context("recording the installation's Kafka settings")?;
-    let placement = |name: &str| name.trim_end_matches("_random").to_string();
-    let partitioners = match (partitioner, recorded_partitioner.as_deref()) {
-        (Some(ours), Some(recorded)) => Some((ours, recorded)),
-        _ => None,
-    };
-    let differing = [
-        partitioners
-            .filter(|(ours, recorded)| placement(ours) != placement(recorded))
-            .map(|(ours, recorded)| ("kafka.partitioner", "kafka_partitioner", ours, recorded)),
-        (topic_prefix != recorded_prefix).then_some((
-            "kafka.topic_prefix",
-            "kafka_topic_prefix",
-            topic_prefix,
-            recorded_prefix.as_str(),
-        )),
-    ];
-    if let Some((key, column, ours, recorded)) = differing.into_iter().flatten().next() {
-        bail!(
-            "{key} is {ours:?} on this host but {recorded:?} on the hosts of this installation \
-             (obx.installation.{column}): every host must use the same, or a key's events would \
-             move to another partition or topic, out of order. To change it on purpose, stop \
-             every host, let the outbox drain and the consumers catch up, run \
-             `UPDATE obx.installation SET {column} = NULL`, and start them with the new setting"
-        );
-    }
-    Ok(())
-}
 
 /// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.

@@ -319,13 +319,8 @@ impl Consumer {
         if let Some(id) = &self.config.instance_id {
             config.set("group.instance.id", id);
         }
-        for (key, value) in self
-            .kafka
-            .properties
-            .iter()
-            .filter(|(k, _)| !crate::config::obx_sets_kafka_property(k))
-        {
-            config.set(key, value.expose());
+        for (key, value) in self.kafka.user_properties() {
+            config.set(key, value);
         }
         config.create_with_context(LagReporter {
             plugin: self.plugin.clone(),

@@ -37,8 +37,8 @@
 //! order at that moment; an idle relay sleeps no longer than until the next one is due.
 //!
 //! **Wake-ups.** The relay wakes when this host commits outbox rows (in process), when
-//! another host does (`LISTEN obx_outbox`, sent by [`run_notifier`] outside the command
-//! transactions), and on a slow poll as a fallback.
+//! another host does (a `NOTIFY` on the installation's random channel, sent by
+//! [`run_notifier`] outside the command transactions), and on a slow poll as a fallback.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,14 +69,6 @@ pub const SHARDS: i32 = 64;
 /// Why a publish span ended without an answer from the broker.
 const RESENT: &str = "the producer was replaced; the row is sent again";
 
-/// The channel other hosts' commits are announced on: random per installation
-/// (`migrations/0018_notify_channel.sql`), since any session may NOTIFY any channel it can
-/// name, and no plugin can read this one's name.
-async fn notify_channel(conn: &mut PgConnection) -> sqlx::Result<String> {
-    sqlx::query_scalar("SELECT notify_channel FROM obx.installation")
-        .fetch_one(conn)
-        .await
-}
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
 /// The longest pause after a failed step.
 const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
@@ -213,12 +205,8 @@ pub fn producer(
         .set("retry.backoff.max.ms", "1000")
         .set("reconnect.backoff.ms", "50")
         .set("reconnect.backoff.max.ms", "1000");
-    for (key, value) in kafka
-        .properties
-        .iter()
-        .filter(|(k, _)| !crate::config::obx_sets_kafka_property(k))
-    {
-        config.set(key, value.expose());
+    for (key, value) in kafka.user_properties() {
+        config.set(key, value);
     }
     config.create().context("creating the Kafka producer")
 }
@@ -478,7 +466,7 @@ impl Relay {
                 .await
                 .context("connecting the relay")?;
             let locks = LockSpace::load(&mut conn).await?;
-            st.channel = Some(notify_channel(&mut conn).await?);
+            st.channel = Some(crate::db::installation::notify_channel(&mut conn).await?);
             join(&mut conn, locks).await?;
             st.conn = Some(conn);
             st.locks = Some(locks);
@@ -1062,7 +1050,7 @@ async fn notifier_connection(database_url: &str) -> Option<(PgConnection, String
         .ok()?
         .options([("synchronous_commit", "off")]);
     let mut conn = PgConnection::connect_with(&options).await.ok()?;
-    let channel = notify_channel(&mut conn).await.ok()?;
+    let channel = crate::db::installation::notify_channel(&mut conn).await.ok()?;
     Some((conn, channel))
 }
 

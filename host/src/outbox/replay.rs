@@ -60,7 +60,7 @@ pub async fn replay(
     }
     // A replayed key goes where its live events went.
     let partitioner = kafka.partitioner.librdkafka_name();
-    crate::db::check_shared_kafka_settings(pool, Some(partitioner), &kafka.topic_prefix, false).await?;
+    crate::db::installation::check_shared_kafka_settings(pool, Some(partitioner), &kafka.topic_prefix, false).await?;
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let mut sent = 0u64;
