@@ -543,3 +543,23 @@ async fn a_plugin_of_the_0_2_0_contract_runs_beside_a_timed_one() {
     .await;
     host.shutdown().await;
 }
+
+/// Timer batches hold at most `consumer.batch_max_bytes` of payloads (the first timer
+/// always): with room for one large timer a batch, due timers still all fire, once each.
+#[tokio::test]
+async fn timers_larger_than_a_batch_s_bytes_fire_one_batch_each() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.batch_max_bytes = 64 * 1024).await;
+    let pad = "p".repeat(40_000);
+    for k in 0..5 {
+        let body = json!({ "name": "big", "key": format!("k{k}"), "delay_ms": 300, "payload": { "pad": pad } });
+        assert_eq!(schedule(&host, body).await, 200);
+    }
+    eventually(Duration::from_secs(15), "every large timer fires", || async {
+        fired(&host).await == 5
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fired(&host).await, 5, "a timer fired twice");
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
+    host.shutdown().await;
+}

@@ -168,6 +168,13 @@ struct Due {
     traceparent: Option<String>,
 }
 
+impl Due {
+    /// What the timer weighs in memory: its payload, name and key.
+    fn bytes(&self) -> usize {
+        self.payload.len() + self.name.len() + self.key.len()
+    }
+}
+
 /// How often the firing loops are checked for one that ended.
 const RESTART_CHECK: Duration = Duration::from_secs(1);
 
@@ -292,10 +299,12 @@ impl TimerService {
     async fn fire_batch(&self, plugin: &Plugin, take: u32) -> anyhow::Result<Batch> {
         let name = &plugin.manifest.name;
         let mut tx = self.dispatcher.sessions.begin(name).await?;
-        let due: Vec<Due> = sqlx::query_as("SELECT * FROM obx_api.timer_take_traced($1)")
+        // At most `consumer.batch_max_bytes` of payloads (the first timer always): the rest
+        // stay due, their rows released by this transaction's end.
+        let due = sqlx::query_as::<_, Due>("SELECT * FROM obx_api.timer_take_traced($1)")
             .bind(take as i32)
-            .fetch_all(&mut *tx)
-            .await?;
+            .fetch(&mut *tx);
+        let (due, _) = crate::db::take_within(due, self.config.batch_max_bytes, Due::bytes).await?;
         if due.is_empty() {
             tx.rollback().await?;
             return Ok(Batch::Idle);

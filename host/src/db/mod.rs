@@ -200,6 +200,29 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> Result<()> {
 /// How many 5 s waits for the migration lock a host makes before it gives up.
 const MIGRATION_LOCK_ATTEMPTS: u32 = 60;
 
+/// The first rows of a query's stream whose `weight` adds up to `max_bytes` at most (the first
+/// row always), and whether the stream had more. The rest is read and dropped (Postgres sends
+/// every row a query asks for), so that a batch of large rows holds a bounded amount of memory.
+pub async fn take_within<T, S>(
+    mut rows: S,
+    max_bytes: usize,
+    weight: impl Fn(&T) -> usize,
+) -> sqlx::Result<(Vec<T>, bool)>
+where
+    S: futures::Stream<Item = sqlx::Result<T>> + Unpin,
+{
+    use futures::TryStreamExt;
+    let (mut kept, mut bytes) = (Vec::new(), 0usize);
+    while let Some(row) = rows.try_next().await? {
+        bytes = bytes.saturating_add(weight(&row));
+        if !kept.is_empty() && bytes > max_bytes {
+            return Ok((kept, true));
+        }
+        kept.push(row);
+    }
+    Ok((kept, false))
+}
+
 /// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.
 async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {

@@ -916,20 +916,11 @@ fn rand_i32() -> i32 {
 /// and whether the claim had more. The rest is read and dropped: those rows stay
 /// unpublished, for the next step. So a claim of large rows, and the producer's queue after
 /// it, holds a bounded amount of memory, and a key's rows still go out in order.
-pub(super) async fn within_bytes<S>(mut rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
+pub(super) async fn within_bytes<S>(rows: S, max_bytes: usize) -> sqlx::Result<(Vec<OutboxRow>, bool)>
 where
     S: futures::Stream<Item = sqlx::Result<OutboxRow>> + Unpin,
 {
-    use futures::TryStreamExt;
-    let (mut kept, mut bytes) = (Vec::new(), 0usize);
-    while let Some(row) = rows.try_next().await? {
-        bytes = bytes.saturating_add(row.bytes());
-        if !kept.is_empty() && bytes > max_bytes {
-            return Ok((kept, true));
-        }
-        kept.push(row);
-    }
-    Ok((kept, false))
+    crate::db::take_within(rows, max_bytes, OutboxRow::bytes).await
 }
 
 /// The rows the next claim asks Postgres for. A claim cut by its bytes was read whole all the
