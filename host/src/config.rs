@@ -68,7 +68,8 @@ pub struct ConsumerConfig {
     /// subtransactions per transaction in shared memory, and more slow down every
     /// session's snapshots, so the limit is 64.
     pub batch_max_events: u32,
-    /// The most message bytes a lane takes from its queue at once.
+    /// The most message bytes a lane takes from its queue at once, and the most timer
+    /// payload bytes a timer batch takes.
     pub batch_max_bytes: usize,
     /// Inbox processors per host.
     pub inbox_processors: u32,

@@ -281,6 +281,8 @@ struct State {
     channel: Option<String>,
     /// How many rows the next claim asks for (see [`next_claim_limit`]).
     claim_limit: u32,
+    /// Set for the last step, at shutdown.
+    closing: bool,
     producer: Option<FutureProducer>,
     /// Sent rows whose delivery report has not arrived yet, by row id.
     inflight: HashMap<i64, Inflight>,
@@ -307,6 +309,7 @@ impl Relay {
             locks: None,
             channel: None,
             claim_limit: self.config.batch_size,
+            closing: false,
             producer: None,
             inflight: HashMap::new(),
             shards: BTreeSet::new(),
@@ -392,6 +395,7 @@ impl Relay {
             let _ = producer.flush(Duration::from_secs(5));
         }
         if !state.inflight.is_empty() {
+            state.closing = true;
             let _ = self.step(&mut state).await;
         }
         tracing::info!("outbox relay stopped");
@@ -578,7 +582,10 @@ impl Relay {
         // Topics the broker does not know: created (where allowed) before the next attempt.
         let mut unknown_topics: Vec<String> = Vec::new();
         for (row, topic) in rows.iter().zip(&topics) {
-            if blocked.contains(&(row.topic.as_str(), row.partition_key.as_str())) || st.inflight.contains_key(&row.id)
+            // Stopping: the last step settles what is in flight, and sends nothing new.
+            if st.closing
+                || blocked.contains(&(row.topic.as_str(), row.partition_key.as_str()))
+                || st.inflight.contains_key(&row.id)
             {
                 continue;
             }
