@@ -417,8 +417,6 @@ pub const DEFAULT_MESSAGE_MAX_BYTES: usize = 1_000_000;
 pub const MESSAGE_OVERHEAD_BYTES: usize = 8 * 1024;
 
 impl KafkaConfig {
-    /// The largest message the producer will send: `message.max.bytes` from the properties,
-    /// or librdkafka's default.
     /// The user's librdkafka properties that a client applies: all but those OBX keeps to
     /// itself (see `reserved_kafka_name`), which may only repeat OBX's values and, under
     /// another of their names (`delivery.timeout.ms`, `topic.message.timeout.ms`), could win
@@ -430,6 +428,8 @@ impl KafkaConfig {
             .map(|(name, value)| (name.as_str(), value.expose()))
     }
 
+    /// The largest message the producer will send: `message.max.bytes` from the properties,
+    /// or librdkafka's default.
     pub fn producer_max_message_bytes(&self) -> usize {
         self.properties
             .get("message.max.bytes")
@@ -446,9 +446,8 @@ pub struct RelayConfig {
     /// Rows claimed per transaction.
     pub batch_size: u32,
     /// Bytes claimed per transaction, of payloads, keys and header fields (a claim keeps at
-    /// least one row): with rows of
-    /// up to `limits.max_payload_bytes`, `batch_size` alone would let one claim, and the
-    /// producer's queue after it, hold about a gigabyte.
+    /// least one row): with rows of up to `limits.max_payload_bytes`, `batch_size` alone
+    /// would let one claim, and the producer's queue after it, hold about a gigabyte.
     pub batch_max_bytes: usize,
     /// The fallback poll; commits on this host, and NOTIFY from other hosts, wake the relay
     /// at once.

@@ -28,7 +28,10 @@ pub async fn check_shared_kafka_settings(
         .bind(topic_prefix)
         .fetch_one(pool)
         .await
-        .context("recording the installation's Kafka settings")?;
+        .context(match record {
+            true => "recording the installation's Kafka settings",
+            false => "reading the installation's Kafka settings",
+        })?;
     let placement = |name: &str| name.trim_end_matches("_random").to_string();
     let partitioners = match (partitioner, recorded_partitioner.as_deref()) {
         (Some(ours), Some(recorded)) => Some((ours, recorded)),
