@@ -697,6 +697,81 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     host.shutdown().await;
 }
 
+/// A broker refuses a whole produce batch for one row too large (or one bad record), and
+/// librdkafka fails every row of the batch with that error. Such rows go again one at a
+/// time, in order, and only a row the broker refuses alone is set aside. Before, every row of
+/// the batch was set aside with the one that caused it.
+#[tokio::test]
+async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refused_alone_is_set_aside() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to refuse produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
+    let t = topic("beta");
+    // Three rows of one key, in one command: one partition, one produce batch.
+    let emit = |key: &'static str| {
+        let (host, t) = (&host, t.clone());
+        async move {
+            let a = host
+                .command(
+                    "testbed",
+                    "emit",
+                    json!({ "id": key, "topic": t, "keys": [key, key, key] }),
+                )
+                .await;
+            assert_eq!(a.status, 200, "{}", a.text);
+        }
+    };
+    let set_aside = || async {
+        host.count("SELECT count(*) FROM obx.outbox_delivery_failure WHERE set_aside")
+            .await
+    };
+    emit("warm").await;
+    all_published(&host, 3).await;
+    let too_large = rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE;
+    let produce = rdkafka::types::RDKafkaApiKey::Produce;
+
+    // The batch is refused; each of its rows then goes alone, and through.
+    mock.fail_requests(produce, too_large, 1);
+    emit("a").await;
+    all_published(&host, 6).await;
+    assert_eq!(set_aside().await, 0, "a row of a refused batch was set aside");
+
+    // The batch is refused, and then its first row alone: only that row is set aside.
+    mock.fail_requests(produce, too_large, 2);
+    emit("b").await;
+    all_published(&host, 8).await;
+    let aside: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
+         JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    assert_eq!(aside, vec![("b".to_string(), "0".to_string(), 2)]);
+
+    // On the broker, each key's rows in their order, the one set aside missing.
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 8, Duration::from_secs(10)).await;
+    let mut sorted: Vec<&Received> = messages.iter().collect();
+    sorted.sort_by_key(|m| (m.partition, m.offset));
+    let mut seen = HashSet::new();
+    let mut by_key: HashMap<String, Vec<i64>> = HashMap::new();
+    for m in sorted
+        .into_iter()
+        .filter(|m| seen.insert(m.header("eventId").unwrap().to_string()))
+    {
+        by_key
+            .entry(m.key.clone().unwrap())
+            .or_default()
+            .push(m.json()["i"].as_i64().unwrap());
+    }
+    assert_eq!(by_key["a"], vec![0, 1, 2]);
+    assert_eq!(by_key["b"], vec![1, 2]);
+    host.shutdown().await;
+}
+
 /// Rows the broker never answers (here, of a topic whose partitions have no leader) do not
 /// hold up the other topics: past `stall_timeout`, while the broker answers, each is recorded
 /// as failing (counted, with the reason), and claims pass it and its key by while it waits. Before, they stayed at the head of every claim: with a batch's worth

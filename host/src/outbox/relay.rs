@@ -11,7 +11,9 @@
 //! 4. set `published_at` on exactly the rows the broker acknowledged, record refused rows
 //!    for a later attempt with backoff, and commit. A row the broker refuses for good (too
 //!    large, an invalid topic) is set aside instead: it stops holding up its key, and is
-//!    counted in `obx status` and `obx_outbox_set_aside`.
+//!    counted in `obx status` and `obx_outbox_set_aside`. A broker refuses a whole produce
+//!    batch for one row, so a row refused for good with other rows in flight first goes
+//!    again alone (`State::alone`), and is set aside only if refused alone.
 //!
 //! **Ordering.** The rows of one partition key all fall in one of 64 shards
 //! (`obx.outbox_shard`), and each shard is leased by one relay at a time with a session
@@ -250,6 +252,8 @@ struct Inflight {
     row: SentRow,
     /// Recorded as unanswered (past `stall_timeout`) since it was sent.
     unanswered: bool,
+    /// Sent with no other row in flight (see `State::alone`).
+    alone: bool,
 }
 
 /// The parts of a sent row that its delivery report is settled with.
@@ -300,6 +304,12 @@ struct State {
     last_report: Option<Instant>,
     /// When a new client last found the broker answering (the stall check's probe).
     broker_answered: Option<Instant>,
+    /// Rows the broker refused for good while other rows were in flight, by id, with their
+    /// shard: each goes again alone, and is set aside only if refused alone. A broker refuses
+    /// a whole produce batch for its size or one bad record (`MSG_SIZE_TOO_LARGE`,
+    /// `INVALID_RECORD`), and librdkafka fails every row in it with that error: small rows of
+    /// other keys were set aside with the one too large.
+    alone: HashMap<i64, i32>,
 }
 
 impl Relay {
@@ -320,6 +330,7 @@ impl Relay {
             release_held: 0,
             last_report: None,
             broker_answered: None,
+            alone: HashMap::new(),
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -353,6 +364,7 @@ impl Relay {
                     // A broken connection loses its leases; start over with a new one.
                     state.conn = None;
                     state.shards.clear();
+                    state.alone.clear();
                     self.owns_all.store(false, Ordering::Relaxed);
                     // A step fails for the database (a restart, a terminated backend) or a
                     // producer that cannot be made: try again within a second, not after
@@ -482,6 +494,7 @@ impl Relay {
         if st.last_rebalance.is_none_or(|t| t.elapsed() >= REBALANCE_EVERY) {
             let busy: HashSet<i32> = st.inflight.values().map(|f| f.shard).collect();
             rebalance(conn, locks, &mut st.shards, &busy).await?;
+            st.alone.retain(|_, shard| st.shards.contains(shard));
             self.owns_all
                 .store(st.shards.len() == SHARDS as usize, Ordering::Relaxed);
             st.last_rebalance = Some(Instant::now());
@@ -577,6 +590,10 @@ impl Relay {
         }
 
         // Send, in id order. A key whose row could not be queued sends nothing after it.
+        // A row to go alone is sent once nothing else awaits an answer, and with nothing else.
+        let solo = rows.iter().find(|r| st.alone.contains_key(&r.id)).map(|r| r.id);
+        let waiting = st.inflight.values().any(|f| !f.unanswered);
+        let mut held_back = false;
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         let mut refused: Vec<(SentRow, Refusal)> = Vec::new();
         // Topics the broker does not know: created (where allowed) before the next attempt.
@@ -589,6 +606,10 @@ impl Relay {
             {
                 continue;
             }
+            if solo.is_some_and(|id| waiting || id != row.id) {
+                held_back = true;
+                continue;
+            }
             match producer.send_result(row.record(topic, row.headers(&self.kafka.cloudevents))) {
                 Ok(delivery) => {
                     let inflight = Inflight {
@@ -598,6 +619,7 @@ impl Relay {
                         span: row.publish_span(topic),
                         row: SentRow::of(row),
                         unanswered: false,
+                        alone: solo == Some(row.id),
                     };
                     st.inflight.insert(row.id, inflight);
                 }
@@ -607,6 +629,8 @@ impl Relay {
                     break;
                 }
                 Err((e, _)) => {
+                    // The producer judged this row alone.
+                    st.alone.remove(&row.id);
                     blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
                     refused.push((SentRow::of(row), Refusal::of(&e)));
                 }
@@ -663,7 +687,13 @@ impl Relay {
                 continue;
             };
             st.last_report = Some(Instant::now());
-            let Inflight { mut span, row, .. } = st.inflight.remove(&id).expect("listed above");
+            let Inflight {
+                mut span,
+                row,
+                alone,
+                shard,
+                ..
+            } = st.inflight.remove(&id).expect("listed above");
             match result {
                 Ok(Ok(delivery)) => {
                     if let Some(span) = &mut span {
@@ -673,6 +703,7 @@ impl Relay {
                     // Commit-to-ack: from the row's insert, just before its commit.
                     let latency = (Utc::now() - row.created_at).num_microseconds().unwrap_or(0).max(0);
                     metrics::histogram!("obx_outbox_commit_to_ack_seconds").record(latency as f64 / 1e6);
+                    st.alone.remove(&row.id);
                     acked.push(row)
                 }
                 Ok(Err((e, _))) => {
@@ -687,7 +718,15 @@ impl Relay {
                     if unknown && !unknown_topics.contains(&topic) {
                         unknown_topics.push(topic);
                     }
-                    refused.push((row, Refusal::of(&e)));
+                    let mut refusal = Refusal::of(&e);
+                    if refusal.permanent {
+                        // Perhaps for another row of its produce batch: sent with others, it
+                        // goes again alone (unless that would pass a later row of its key).
+                        refusal.again_alone = (!alone).then_some(shard);
+                        refusal.permanent = alone;
+                        st.alone.remove(&row.id);
+                    }
+                    refused.push((row, refusal));
                 }
                 // The producer that sent it is gone; the row is sent again.
                 Err(_canceled) => {
@@ -698,6 +737,7 @@ impl Relay {
             }
         }
 
+        settle_again_alone(&mut st.alone, &st.inflight, &mut refused, &acked);
         let acked_at = started.elapsed();
         // Mark what the broker acknowledged; record what it refused.
         let acked_ids: Vec<i64> = acked.iter().map(|r| r.id).collect();
@@ -749,7 +789,7 @@ impl Relay {
             Outcome::Backoff
         } else if pending > 0 {
             Outcome::Waiting
-        } else if cut || full {
+        } else if cut || full || held_back {
             Outcome::More
         } else {
             Outcome::Idle
@@ -762,7 +802,10 @@ impl Relay {
     /// the broker will never take them, set aside (their key moves on).
     async fn record_refusals(&self, conn: &mut PgConnection, refused: &[(SentRow, Refusal)]) -> Result<()> {
         for (row, r) in refused {
-            if r.permanent {
+            if r.again_alone.is_some() {
+                tracing::warn!(id = row.id, event_id = %row.event_id, topic = %row.topic, error = %r.error,
+                    "the broker refused an outbox row with the rows sent with it; it goes again alone");
+            } else if r.permanent {
                 tracing::error!(id = row.id, event_id = %row.event_id, topic = %row.topic, error = %r.error,
                     "the broker refuses an outbox row for good; it is set aside and its key moves on");
                 metrics::counter!("obx_outbox_set_aside_total").increment(1);
@@ -804,11 +847,41 @@ impl Relay {
     }
 }
 
+/// Decides, for each row refused for good with other rows in flight, whether it goes
+/// again alone (`State::alone`): not if a later row of its key on its topic was
+/// acknowledged in this step or is still in flight, since that row would then precede
+/// it on the broker. Such a row is set aside, and its key moves on.
+fn settle_again_alone(
+    alone: &mut HashMap<i64, i32>,
+    inflight: &HashMap<i64, Inflight>,
+    refused: &mut [(SentRow, Refusal)],
+    acked: &[SentRow],
+) {
+    for (row, refusal) in refused.iter_mut() {
+        let Some(shard) = refusal.again_alone else {
+            continue;
+        };
+        let passed = acked
+            .iter()
+            .chain(inflight.values().map(|f| &f.row))
+            .any(|l| l.id > row.id && l.topic == row.topic && l.partition_key == row.partition_key);
+        if passed {
+            refusal.again_alone = None;
+            refusal.permanent = true;
+        } else {
+            alone.insert(row.id, shard);
+        }
+    }
+}
+
 /// Why the broker (or the producer) refused a row.
 struct Refusal {
     error: String,
     /// No later attempt can succeed: the message is too large or the topic is invalid.
     permanent: bool,
+    /// Refused for good, but with other rows in flight, perhaps for one of them: it goes
+    /// again alone. Its shard.
+    again_alone: Option<i32>,
 }
 
 impl Refusal {
@@ -821,6 +894,7 @@ impl Refusal {
                 waited
             ),
             permanent: false,
+            again_alone: None,
         }
     }
 
@@ -839,6 +913,7 @@ impl Refusal {
         Refusal {
             error: e.to_string(),
             permanent,
+            again_alone: None,
         }
     }
 }
@@ -1074,6 +1149,29 @@ mod tests {
             traceparent: None,
             plugin_name: "p".into(),
         }
+    }
+
+    /// A row refused for good with others in flight goes again alone, unless a later row of
+    /// its key on its topic was acknowledged meanwhile: sent again, it would follow that row
+    /// on the broker. It is then set aside.
+    #[test]
+    fn a_refused_row_goes_again_alone_only_if_no_later_row_of_its_key_went_through() {
+        let sent = |id: i64, key: &str| {
+            let mut r = row(id, 1);
+            r.partition_key = key.into();
+            SentRow::of(&r)
+        };
+        let refusal = || Refusal {
+            error: "Broker: Message size too large".into(),
+            permanent: false,
+            again_alone: Some(7),
+        };
+        let mut alone = HashMap::new();
+        let mut refused = vec![(sent(1, "k"), refusal()), (sent(2, "j"), refusal())];
+        settle_again_alone(&mut alone, &HashMap::new(), &mut refused, &[sent(3, "k"), sent(0, "j")]);
+        assert!(refused[0].1.permanent && refused[0].1.again_alone.is_none());
+        assert!(!refused[1].1.permanent && refused[1].1.again_alone == Some(7));
+        assert_eq!(alone, HashMap::from([(2, 7)]));
     }
 
     /// After a claim cut by its bytes, the next asks for as many rows as fitted; after a full
