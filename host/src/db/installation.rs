@@ -3,6 +3,9 @@
 use anyhow::{bail, Context, Result};
 use sqlx::{PgConnection, PgPool};
 
+/// Postgres's SQLSTATE for a column that does not exist.
+const UNDEFINED_COLUMN: &str = "42703";
+
 /// Records this host's `kafka.partitioner` (if it relays: `None` if not) and
 /// `kafka.topic_prefix` for the installation if none are recorded yet, and refuses a host
 /// whose settings differ from those recorded: every host of a service relays the same keys,
@@ -23,15 +26,20 @@ pub async fn check_shared_kafka_settings(
     } else {
         "SELECT coalesce(kafka_partitioner, $1), coalesce(kafka_topic_prefix, $2) FROM obx.installation"
     };
-    let (recorded_partitioner, recorded_prefix): (Option<String>, String) = sqlx::query_as(sql)
+    let recorded: sqlx::Result<(Option<String>, String)> = sqlx::query_as(sql)
         .bind(partitioner)
         .bind(topic_prefix)
         .fetch_one(pool)
-        .await
-        .context(match record {
+        .await;
+    let (recorded_partitioner, recorded_prefix) = match recorded {
+        // A database its hosts have not yet migrated to record them (a replay run with a
+        // newer CLI): nothing recorded, nothing to compare.
+        Err(sqlx::Error::Database(e)) if !record && e.code().as_deref() == Some(UNDEFINED_COLUMN) => return Ok(()),
+        recorded => recorded.context(match record {
             true => "recording the installation's Kafka settings",
             false => "reading the installation's Kafka settings",
-        })?;
+        })?,
+    };
     let placement = |name: &str| name.trim_end_matches("_random").to_string();
     let partitioners = match (partitioner, recorded_partitioner.as_deref()) {
         (Some(ours), Some(recorded)) => Some((ours, recorded)),
@@ -67,4 +75,37 @@ pub async fn notify_channel(conn: &mut PgConnection) -> sqlx::Result<String> {
     sqlx::query_scalar("SELECT notify_channel FROM obx.installation")
         .fetch_one(conn)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::embedded::EmbeddedPostgres;
+
+    /// A replay compares against what the hosts recorded: against a database its hosts have
+    /// not yet migrated to record anything, it finds nothing to compare (it failed with
+    /// Postgres's missing-column error). A host, which records, still fails there.
+    #[tokio::test]
+    async fn a_replay_against_a_database_that_records_no_settings_yet_compares_nothing() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let pool = PgPool::connect(&pg.url("postgres")).await.unwrap();
+        crate::db::migrate(&pool).await.unwrap();
+        check_shared_kafka_settings(&pool, Some("murmur2"), "p.", true)
+            .await
+            .unwrap();
+        let refused = check_shared_kafka_settings(&pool, Some("murmur2"), "q.", false).await;
+        assert!(format!("{:#}", refused.unwrap_err()).contains("kafka.topic_prefix"));
+
+        // As before migration 0017.
+        sqlx::raw_sql("ALTER TABLE obx.installation DROP COLUMN kafka_partitioner, DROP COLUMN kafka_topic_prefix")
+            .execute(&pool)
+            .await
+            .unwrap();
+        check_shared_kafka_settings(&pool, Some("murmur2"), "q.", false)
+            .await
+            .unwrap();
+        let host = check_shared_kafka_settings(&pool, Some("murmur2"), "q.", true).await;
+        assert!(format!("{:#}", host.unwrap_err()).contains("recording"));
+        pool.close().await;
+    }
 }
