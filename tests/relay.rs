@@ -708,18 +708,19 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
         eprintln!("skipped: needs the mock cluster to refuse produce requests");
         return;
     };
-    let host = spawn_host_with(&["testbed"], |c| broker.configure(c)).await;
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        // Each command's rows of a key in one produce batch, however slow the machine.
+        c.relay.linger_ms = 100;
+    })
+    .await;
     let t = topic("beta");
-    // Three rows of one key, in one command: one partition, one produce batch.
-    let emit = |key: &'static str| {
+    // The rows of one command: a key's rows are in one partition, so in one produce batch.
+    let emit = |keys: &'static [&'static str]| {
         let (host, t) = (&host, t.clone());
         async move {
             let a = host
-                .command(
-                    "testbed",
-                    "emit",
-                    json!({ "id": key, "topic": t, "keys": [key, key, key] }),
-                )
+                .command("testbed", "emit", json!({ "id": keys[0], "topic": t, "keys": keys }))
                 .await;
             assert_eq!(a.status, 200, "{}", a.text);
         }
@@ -728,21 +729,22 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
         host.count("SELECT count(*) FROM obx.outbox_delivery_failure WHERE set_aside")
             .await
     };
-    emit("warm").await;
-    all_published(&host, 3).await;
+    emit(&["warm", "warm"]).await;
+    all_published(&host, 2).await;
     let too_large = rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE;
     let produce = rdkafka::types::RDKafkaApiKey::Produce;
 
-    // The batch is refused; each of its rows then goes alone, and through.
+    // The request is refused (with the rows of one key or of both); each of its rows then
+    // goes alone, and through.
     mock.fail_requests(produce, too_large, 1);
-    emit("a").await;
-    all_published(&host, 6).await;
+    emit(&["a", "c", "a", "c", "a"]).await;
+    all_published(&host, 7).await;
     assert_eq!(set_aside().await, 0, "a row of a refused batch was set aside");
 
     // The batch is refused, and then its first row alone: only that row is set aside.
     mock.fail_requests(produce, too_large, 2);
-    emit("b").await;
-    all_published(&host, 8).await;
+    emit(&["b", "b", "b"]).await;
+    all_published(&host, 9).await;
     let aside: Vec<(String, String, i32)> = sqlx::query_as(
         "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
          JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
@@ -753,7 +755,7 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
     assert_eq!(aside, vec![("b".to_string(), "0".to_string(), 2)]);
 
     // On the broker, each key's rows in their order, the one set aside missing.
-    let messages = consume(&broker.bootstrap, &host.topic(&t), 8, Duration::from_secs(10)).await;
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 9, Duration::from_secs(10)).await;
     let mut sorted: Vec<&Received> = messages.iter().collect();
     sorted.sort_by_key(|m| (m.partition, m.offset));
     let mut seen = HashSet::new();
@@ -767,7 +769,8 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
             .or_default()
             .push(m.json()["i"].as_i64().unwrap());
     }
-    assert_eq!(by_key["a"], vec![0, 1, 2]);
+    assert_eq!(by_key["a"], vec![0, 2, 4]);
+    assert_eq!(by_key["c"], vec![1, 3]);
     assert_eq!(by_key["b"], vec![1, 2]);
     host.shutdown().await;
 }

@@ -591,9 +591,9 @@ impl Relay {
 
         // Send, in id order. A key whose row could not be queued sends nothing after it.
         // A row to go alone is sent once nothing else awaits an answer, and with nothing else.
-        let solo = rows.iter().find(|r| st.alone.contains_key(&r.id)).map(|r| r.id);
+        let solo = first_to_go_alone(&rows, &st.alone);
         let waiting = st.inflight.values().any(|f| !f.unanswered);
-        let mut held_back = false;
+        let (mut held_back, mut queue_full) = (false, false);
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         let mut refused: Vec<(SentRow, Refusal)> = Vec::new();
         // Topics the broker does not know: created (where allowed) before the next attempt.
@@ -608,6 +608,11 @@ impl Relay {
             }
             if solo.is_some_and(|id| waiting || id != row.id) {
                 held_back = true;
+                continue;
+            }
+            if solo.is_none() && st.alone.contains_key(&row.id) {
+                // An earlier row of its key goes first.
+                blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
                 continue;
             }
             match producer.send_result(row.record(topic, row.headers(&self.kafka.cloudevents))) {
@@ -626,13 +631,17 @@ impl Relay {
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                     // Back-pressure, not a fault of the row: stop queueing for this step.
                     metrics::counter!("obx_relay_errors_total", "kind" => "queue_full").increment(1);
+                    queue_full = true;
                     break;
                 }
                 Err((e, _)) => {
-                    // The producer judged this row alone.
-                    st.alone.remove(&row.id);
+                    let refusal = Refusal::of(&e);
+                    if refusal.permanent {
+                        // The producer judged this row alone.
+                        st.alone.remove(&row.id);
+                    }
                     blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
-                    refused.push((SentRow::of(row), Refusal::of(&e)));
+                    refused.push((SentRow::of(row), refusal));
                 }
             }
         }
@@ -737,7 +746,6 @@ impl Relay {
             }
         }
 
-        settle_again_alone(&mut st.alone, &st.inflight, &mut refused, &acked);
         let acked_at = started.elapsed();
         // Mark what the broker acknowledged; record what it refused.
         let acked_ids: Vec<i64> = acked.iter().map(|r| r.id).collect();
@@ -750,6 +758,9 @@ impl Relay {
             .execute(&mut *tx)
             .await?;
         }
+        // After the marks: a later row of a refused row's key may be among them.
+        let in_flight = st.inflight.values().map(|f| &f.row);
+        settle_again_alone(&mut tx, &mut st.alone, in_flight, &mut refused).await?;
         if !refused.is_empty() {
             self.record_refusals(&mut tx, &refused).await?;
         }
@@ -789,7 +800,7 @@ impl Relay {
             Outcome::Backoff
         } else if pending > 0 {
             Outcome::Waiting
-        } else if cut || full || held_back {
+        } else if cut || full || (held_back && !queue_full) {
             Outcome::More
         } else {
             Outcome::Idle
@@ -847,31 +858,63 @@ impl Relay {
     }
 }
 
+/// The first claimed row that is to go alone (`State::alone`) and is the first claimed row of
+/// its key on its topic: an earlier row of its key goes before it, alone or not.
+fn first_to_go_alone(rows: &[OutboxRow], alone: &HashMap<i64, i32>) -> Option<i64> {
+    let mut keys: HashSet<(&str, &str)> = HashSet::new();
+    rows.iter()
+        .find(|r| keys.insert((r.topic.as_str(), r.partition_key.as_str())) && alone.contains_key(&r.id))
+        .map(|r| r.id)
+}
+
 /// Decides, for each row refused for good with other rows in flight, whether it goes
-/// again alone (`State::alone`): not if a later row of its key on its topic was
-/// acknowledged in this step or is still in flight, since that row would then precede
-/// it on the broker. Such a row is set aside, and its key moves on.
-fn settle_again_alone(
+/// again alone (`State::alone`): not if a later row of its key on its topic is published
+/// (this step's marks included: run after them) or still in flight, since that row would
+/// then precede it on the broker. Such a row is set aside, and its key moves on.
+async fn settle_again_alone<'a>(
+    conn: &mut PgConnection,
     alone: &mut HashMap<i64, i32>,
-    inflight: &HashMap<i64, Inflight>,
+    in_flight: impl Iterator<Item = &'a SentRow>,
     refused: &mut [(SentRow, Refusal)],
-    acked: &[SentRow],
-) {
+) -> sqlx::Result<()> {
+    let candidates: Vec<&SentRow> = refused
+        .iter()
+        .filter(|(_, r)| r.again_alone.is_some())
+        .map(|(row, _)| row)
+        .collect();
+    if candidates.is_empty() {
+        return Ok(());
+    }
+    // Walks the rows written after each candidate (a recent row), by the primary key.
+    let published: HashSet<i64> = sqlx::query_scalar(
+        "SELECT r.id FROM unnest($1::bigint[], $2::text[], $3::text[]) AS r(id, topic, key) \
+         WHERE EXISTS (SELECT 1 FROM obx.outbox_event o WHERE o.id > r.id AND o.topic = r.topic \
+                         AND o.partition_key = r.key AND o.published_at IS NOT NULL)",
+    )
+    .bind(candidates.iter().map(|r| r.id).collect::<Vec<_>>())
+    .bind(candidates.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>())
+    .bind(candidates.iter().map(|r| r.partition_key.as_str()).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await?
+    .into_iter()
+    .collect();
+    let in_flight: Vec<&SentRow> = in_flight.collect();
     for (row, refusal) in refused.iter_mut() {
         let Some(shard) = refusal.again_alone else {
             continue;
         };
-        let passed = acked
-            .iter()
-            .chain(inflight.values().map(|f| &f.row))
-            .any(|l| l.id > row.id && l.topic == row.topic && l.partition_key == row.partition_key);
-        if passed {
+        let overtaken = published.contains(&row.id)
+            || in_flight
+                .iter()
+                .any(|l| l.id > row.id && l.topic == row.topic && l.partition_key == row.partition_key);
+        if overtaken {
             refusal.again_alone = None;
             refusal.permanent = true;
         } else {
             alone.insert(row.id, shard);
         }
     }
+    Ok(())
 }
 
 /// Why the broker (or the producer) refused a row.
@@ -1152,12 +1195,37 @@ mod tests {
     }
 
     /// A row refused for good with others in flight goes again alone, unless a later row of
-    /// its key on its topic was acknowledged meanwhile: sent again, it would follow that row
-    /// on the broker. It is then set aside.
-    #[test]
-    fn a_refused_row_goes_again_alone_only_if_no_later_row_of_its_key_went_through() {
-        let sent = |id: i64, key: &str| {
-            let mut r = row(id, 1);
+    /// its key on its topic is published (by an earlier step, or marked in this one) or still
+    /// in flight: sent again, it would follow that row on the broker. It is then set aside.
+    /// And a row to go alone waits for an earlier claimed row of its key.
+    #[tokio::test]
+    async fn a_refused_row_goes_again_alone_only_if_no_later_row_of_its_key_went_ahead() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let pool = sqlx::PgPool::connect(&pg.url("postgres")).await.unwrap();
+        crate::db::migrate(&pool).await.unwrap();
+        // Rows of keys k, j and i, in this order; the second row of k is published.
+        let mut ids = HashMap::new();
+        for (name, key, published) in [
+            ("k1", "k", false),
+            ("j1", "j", false),
+            ("i1", "i", false),
+            ("k2", "k", true),
+        ] {
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
+                                               partition_key, plugin_name, plugin_version, published_at) \
+                 VALUES (gen_random_uuid(), 'A', $1, 'E', '{}', 't', $1, 'p', '1', \
+                         CASE WHEN $2 THEN now() END) RETURNING id",
+            )
+            .bind(key)
+            .bind(published)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            ids.insert(name, id);
+        }
+        let sent = |name: &str, key: &str| {
+            let mut r = row(ids[name], 1);
             r.partition_key = key.into();
             SentRow::of(&r)
         };
@@ -1166,12 +1234,46 @@ mod tests {
             permanent: false,
             again_alone: Some(7),
         };
+        let mut refused = vec![
+            (sent("k1", "k"), refusal()),
+            (sent("j1", "j"), refusal()),
+            (sent("i1", "i"), refusal()),
+        ];
+        // A later row of j is still in flight.
+        let in_flight = [
+            sent("i1", "i"),
+            SentRow {
+                id: ids["k2"] + 1,
+                ..sent("j1", "j")
+            },
+        ];
         let mut alone = HashMap::new();
-        let mut refused = vec![(sent(1, "k"), refusal()), (sent(2, "j"), refusal())];
-        settle_again_alone(&mut alone, &HashMap::new(), &mut refused, &[sent(3, "k"), sent(0, "j")]);
-        assert!(refused[0].1.permanent && refused[0].1.again_alone.is_none());
-        assert!(!refused[1].1.permanent && refused[1].1.again_alone == Some(7));
-        assert_eq!(alone, HashMap::from([(2, 7)]));
+        let mut conn = pool.acquire().await.unwrap();
+        settle_again_alone(&mut conn, &mut alone, in_flight.iter(), &mut refused)
+            .await
+            .unwrap();
+        let settled: Vec<(bool, Option<i32>)> = refused.iter().map(|(_, r)| (r.permanent, r.again_alone)).collect();
+        assert_eq!(settled, vec![(true, None), (true, None), (false, Some(7))]);
+        assert_eq!(alone, HashMap::from([(ids["i1"], 7)]));
+
+        // Of two rows of a key to go alone, the earlier goes first; a row of another key
+        // claimed before them does not change that.
+        let claimed = |names: &[(&str, &str)]| {
+            names
+                .iter()
+                .map(|(name, key)| {
+                    let mut r = row(ids[name], 1);
+                    r.partition_key = (*key).into();
+                    r
+                })
+                .collect::<Vec<_>>()
+        };
+        let alone = HashMap::from([(ids["j1"], 0), (ids["k2"], 0)]);
+        let rows = claimed(&[("k1", "k"), ("j1", "j"), ("k2", "k")]);
+        assert_eq!(first_to_go_alone(&rows, &alone), Some(ids["j1"]));
+        let alone = HashMap::from([(ids["k2"], 0)]);
+        assert_eq!(first_to_go_alone(&rows, &alone), None);
+        pool.close().await;
     }
 
     /// After a claim cut by its bytes, the next asks for as many rows as fitted; after a full
