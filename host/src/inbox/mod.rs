@@ -67,7 +67,8 @@ pub struct Quarantine(pub String);
 /// message used to be retried for ever, holding up its partition, then the consumer.
 pub const MAX_KEY_BYTES: usize = 1024;
 
-/// The most header bytes (names and values) a message may carry to be taken. The value is
+/// The most header bytes (names and values, and [`HEADER_OVERHEAD`] for each header) a
+/// message may carry to be taken: about a thousand empty headers. The value is
 /// bounded by `consumer.max_message_bytes`; the headers were not, and went whole into the
 /// inbox, each handler call and the quarantine.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -106,7 +107,9 @@ impl Incoming {
         let header_bytes = message_bytes(m) - value.len() - m.key().map_or(0, <[u8]>::len);
         if header_bytes > MAX_HEADER_BYTES {
             return Err(q(format!(
-                "the headers hold {header_bytes} bytes, over the limit of {MAX_HEADER_BYTES}"
+                "the headers hold {header_bytes} bytes (counting {HEADER_OVERHEAD} for each of the {} headers), \
+                 over the limit of {MAX_HEADER_BYTES}",
+                m.headers().map_or(0, |h| h.count())
             )));
         }
         let headers = utf8_headers(m);
@@ -197,10 +200,19 @@ pub fn utf8_headers(m: &OwnedMessage) -> BTreeMap<String, String> {
     out
 }
 
-/// The bytes a message holds: its value, its key and its headers.
+/// What a header costs the host beyond its name and value, in bytes: librdkafka's copy of
+/// each header in a detached message is an allocation of its own (a list entry and its
+/// bookkeeping). An empty header is 2 bytes on the wire.
+pub const HEADER_OVERHEAD: usize = 64;
+
+/// The bytes a message holds: its value, its key and its headers, each header with
+/// [`HEADER_OVERHEAD`]. Without it, a message of 500,000 empty headers counted as empty while
+/// its copy held about 30 MB, and the consumers' in-flight budget let thousands in.
 pub fn message_bytes(m: &OwnedMessage) -> usize {
     let mut bytes = m.payload().map_or(0, <[u8]>::len) + m.key().map_or(0, <[u8]>::len);
-    each_header(m, |name, value| bytes += name.len() + value.map_or(0, <[u8]>::len));
+    each_header(m, |name, value| {
+        bytes += name.len() + value.map_or(0, <[u8]>::len) + HEADER_OVERHEAD
+    });
     bytes
 }
 
@@ -284,7 +296,24 @@ mod tests {
     fn message_bytes_counts_the_key_and_the_headers() {
         let key = vec![b'k'; 5000];
         let m = message(Some(&key), Some(b"{}"), &[("eventId", ID), ("big", &[b'v'; 7000])]);
-        assert_eq!(message_bytes(&m), 2 + 5000 + "eventId".len() + ID.len() + 3 + 7000);
+        assert_eq!(
+            message_bytes(&m),
+            2 + 5000 + "eventId".len() + ID.len() + 3 + 7000 + 2 * HEADER_OVERHEAD
+        );
+    }
+
+    /// Empty headers cost the host an allocation each: a message of many is counted as such,
+    /// and quarantined past the headers' limit. It counted as empty before, so that the
+    /// in-flight budget let thousands of such messages in (about 30 MB each, copied).
+    #[test]
+    fn many_empty_headers_count_and_are_quarantined() {
+        let many: Vec<(&str, &[u8])> = std::iter::repeat(("", &b""[..])).take(2000).collect();
+        let mut headers = vec![("eventId", ID), ("eventType", &b"X"[..])];
+        headers.extend(many);
+        let m = message(None, Some(b"{}"), &headers);
+        assert!(message_bytes(&m) >= 2000 * HEADER_OVERHEAD);
+        let refused = Incoming::parse(&m, 1 << 20, "").unwrap_err();
+        assert!(refused.0.contains("2002 headers"), "{refused}");
     }
 
     /// rdkafka's own header reader panicked on this, ending the consumer on every host.
