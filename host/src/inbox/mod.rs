@@ -307,7 +307,7 @@ mod tests {
     /// in-flight budget let thousands of such messages in (about 30 MB each, copied).
     #[test]
     fn many_empty_headers_count_and_are_quarantined() {
-        let many: Vec<(&str, &[u8])> = std::iter::repeat(("", &b""[..])).take(2000).collect();
+        let many: Vec<(&str, &[u8])> = std::iter::repeat_n(("", &b""[..]), 2000).collect();
         let mut headers = vec![("eventId", ID), ("eventType", &b"X"[..])];
         headers.extend(many);
         let m = message(None, Some(b"{}"), &headers);
