@@ -753,6 +753,46 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     host.shutdown().await;
 }
 
+/// A handler blocked in the host (a WASI sleep, which the epoch cannot stop) is stopped by
+/// the call's backstop, which loses its transaction: the attempt is recorded apart, and the
+/// event waits its backoff and is parked in the end, with its key, while others flow. In
+/// inbox mode such an event was claimed again at once, for ever, without counting.
+async fn a_handler_blocked_in_the_host_is_parked(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let p = producer(&broker.bootstrap);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for seq in 1..=6 {
+        let sleep = if seq == 4 { json!(600_000) } else { json!(null) };
+        a.push(send_event(&p, &topic, "A", "Thing", &json!({ "seq": seq, "sleep_ms": sleep })).await);
+        b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
+    }
+    let host = next_host(&broker, first, |c| {
+        c.consumer.lanes = 1;
+        c.consumer.max_attempts = 2;
+        c.limits.call_deadline = Duration::from_millis(500);
+        c.limits.statement_timeout = Duration::from_millis(500);
+    })
+    .await;
+    a4_parked_while_b_flows(&host, &a, &b).await;
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
+    assert_eq!(letters[0].event_id, a[3]);
+    assert_each_effect_once(&host, 9).await;
+    assert_eq!(key_disorder(&host).await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_inbox_handler_blocked_in_the_host_is_parked_not_retried_for_ever() {
+    a_handler_blocked_in_the_host_is_parked(INBOX).await;
+}
+
+#[tokio::test]
+async fn a_dedup_handler_blocked_in_the_host_is_parked_not_retried_for_ever() {
+    a_handler_blocked_in_the_host_is_parked(DEDUP).await;
+}
+
 #[tokio::test]
 async fn a_dedup_event_whose_commit_is_refused_is_parked_not_retried_for_ever() {
     a_refused_commit_parks_its_event(DEDUP, json!(true)).await;

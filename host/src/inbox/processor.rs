@@ -192,22 +192,20 @@ impl Processor {
         .await?
         {
             Ran::Open { tx, emitted, failed } => (tx, emitted, failed),
-            // The transaction is gone, and the row locks with it: what it did is undone,
-            // and the next claims retry it.
-            Ran::Lost { session: None, .. } => return Ok(Outcome::Worked),
             Ran::RolledBack { at, failure } => {
                 tracing::debug!(consumer, event_id = %fresh[at].job.event_id, error = %failure.error,
                     "a handler failed in a batch without savepoints; taking it again with them");
                 return Ok(Outcome::Undone);
             }
-            // The session was abandoned mid-result: record the attempt on a fresh one, so
-            // that the event is parked in the end like any other.
-            Ran::Lost {
-                at,
-                failure,
-                session: Some(poisoned),
-            } => {
-                poisoned.abandon();
+            // The transaction is gone (a call stopped by its backstop, blocked in the host), or
+            // its session was abandoned mid-result: what it did is undone, and the attempt is
+            // recorded on a fresh session, so that the event waits its backoff and is parked in
+            // the end like any other. Unrecorded, it was claimed again at once, for ever,
+            // holding up its key and a processor each time.
+            Ran::Lost { at, failure, session } => {
+                if let Some(poisoned) = session {
+                    poisoned.abandon();
+                }
                 self.record_apart(consumer, fresh[at], &failure).await?;
                 return Ok(Outcome::Worked);
             }

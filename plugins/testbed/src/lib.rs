@@ -202,6 +202,11 @@ impl Guest for Testbed {
                 n = std::hint::black_box(n.wrapping_add(1));
             }
         }
+        // `{"sleep_ms": n}`: sleeps n ms in WASI, blocked in the host, where the epoch cannot
+        // stop it.
+        if let Some(ms) = p["sleep_ms"].as_u64() {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         // `{"gate": true}`: waits for the row lock of counter `gate`, which a test can hold.
         if p["gate"] == true {
             execute("UPDATE counters SET n = n + 1 WHERE name = 'gate'", &[])?;
