@@ -813,6 +813,51 @@ async fn an_inbox_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
     a_refused_commit_parks_its_event(INBOX, json!("raise")).await;
 }
 
+/// A batch of events stops starting handlers once their emits reach one call's limit
+/// (`limits.max_emit_bytes_per_call`): it holds its events until its commit, in one
+/// statement. Nine queued events whose handlers emit 400 KB each commit in batches of three
+/// at most, in either mode (a batch of 64 events of 16 MiB of emits each held 1 GiB).
+async fn a_batch_emits_about_one_calls_limit_at_most(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let p = producer(&broker.bootstrap);
+    let emit = json!({ "topic": "testbed.alpha", "payload_bytes": 400_000 });
+    for seq in 0..9 {
+        send_event(&p, &topic, "k", "Thing", &json!({ "seq": seq, "emit": emit })).await;
+    }
+    let host = next_host(&broker, first, |c| {
+        c.consumer.lanes = 1;
+        c.limits.max_emit_bytes_per_call = 1_000_000;
+        // Unpublished, the outbox rows keep the id of the transaction that wrote them.
+        c.relay.enabled = false;
+    })
+    .await;
+    eventually(Duration::from_secs(30), "9 events handled", || async {
+        total_effects(&host).await == 9
+    })
+    .await;
+    // A batch's events are written by one statement at its commit, outside any savepoint.
+    let batches = host
+        .count("SELECT count(DISTINCT xmin::text) FROM obx.outbox_event WHERE topic = 'testbed.alpha'")
+        .await;
+    assert!(
+        batches >= 3,
+        "{logical}: 9 events of 400 KB of emits each committed in {batches} batches"
+    );
+    assert_eq!(key_disorder(&host).await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_batch_emits_about_one_calls_limit_at_most() {
+    a_batch_emits_about_one_calls_limit_at_most(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_batch_emits_about_one_calls_limit_at_most() {
+    a_batch_emits_about_one_calls_limit_at_most(INBOX).await;
+}
+
 #[tokio::test]
 async fn a_burst_is_stored_in_the_inbox_in_batches_in_order_and_handled_once() {
     let broker = broker();

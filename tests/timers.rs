@@ -544,6 +544,49 @@ async fn a_plugin_of_the_0_2_0_contract_runs_beside_a_timed_one() {
     host.shutdown().await;
 }
 
+/// A batch of timers stops starting handlers once their emits reach one call's limit
+/// (`limits.max_emit_bytes_per_call`): it holds its events until its commit, in one
+/// statement. Nine due timers that emit 400 KB each fire in batches of three, not in one of
+/// 3.6 MB (32 timers of 16 MiB each held 512 MiB, in a statement Postgres could never take).
+#[tokio::test]
+async fn a_timer_batch_emits_about_one_calls_limit_at_most() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.max_emit_bytes_per_call = 1_000_000;
+        // Unpublished, the outbox rows keep the id of the transaction that wrote them.
+        c.relay.enabled = false;
+    })
+    .await;
+    // Due at once, so that one batch could take them all.
+    sqlx::query(
+        "INSERT INTO obx.timer (plugin, name, key, due_at, payload) \
+         SELECT 'testbed', 'big', 'k' || i, clock_timestamp(), \
+                jsonb_build_object('emit', jsonb_build_object('topic', 'testbed.alpha', 'payload_bytes', 400000)) \
+         FROM generate_series(1, 9) AS i",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(20), "every timer fires", || async {
+        fired(&host).await == 9
+    })
+    .await;
+    // A batch's events are written by one statement at its commit, outside the timers'
+    // savepoints.
+    let batches = host
+        .count("SELECT count(DISTINCT xmin::text) FROM obx.outbox_event WHERE topic = 'testbed.alpha'")
+        .await;
+    assert!(
+        batches >= 3,
+        "9 timers of 400 KB of emits each fired in {batches} batches"
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE topic = 'testbed.alpha'")
+            .await,
+        9
+    );
+    host.shutdown().await;
+}
+
 /// Timer batches hold at most `consumer.batch_max_bytes` of payloads (the first timer
 /// always): with room for one large timer a batch, due timers still all fire, once each.
 #[tokio::test]

@@ -240,6 +240,14 @@ impl Dispatcher {
         }
     }
 
+    /// What a batch of handlers (events or timers) may emit before it stops starting more:
+    /// one call's limit, `limits.max_emit_bytes_per_call`. A batch holds its events until its
+    /// commit, written in one statement, so with no bound of its own 32 timers of 16 MiB of
+    /// emits each held 512 MiB, and a statement past Postgres's 1 GiB could never commit.
+    pub(crate) fn batch_emit_bytes(&self) -> usize {
+        self.runtime.limits().max_emit_bytes_per_call
+    }
+
     /// Runs one command in one transaction.
     pub async fn run_command(&self, req: CommandRequest) -> Result<CommandResponse, CommandError> {
         self.run_command_traced(req).await.0
@@ -487,6 +495,13 @@ pub struct Emitted {
     /// The plugin version that handled the event, and the trace context of its handling.
     pub version: String,
     pub trace: TraceContext,
+}
+
+impl Emitted {
+    /// The bytes of its events.
+    pub fn bytes(&self) -> usize {
+        self.events.iter().map(outbox::NewEvent::bytes).sum()
+    }
 }
 
 /// The span of one guest call (`export` is the WIT export it calls).

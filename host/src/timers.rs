@@ -312,9 +312,13 @@ impl TimerService {
         let started = Instant::now();
         let mut emitted = Vec::with_capacity(due.len());
         let mut done = Vec::with_capacity(due.len());
-        let (mut busy, mut ran) = (false, 0);
+        let (mut busy, mut ran, mut emitted_bytes) = (false, 0, 0);
         for (at, due) in due.into_iter().enumerate() {
-            if started.elapsed() > BATCH_BUDGET || *self.shutdown.borrow() {
+            // Past its time, once its emits reach one call's limit, or at shutdown.
+            if started.elapsed() > BATCH_BUDGET
+                || emitted_bytes >= self.dispatcher.batch_emit_bytes()
+                || *self.shutdown.borrow()
+            {
                 // The rest stay due; the commit below releases their rows.
                 break;
             }
@@ -323,6 +327,7 @@ impl TimerService {
             match self.fire_one(plugin, tx, &due, check).await? {
                 Fired::Done(back, e) => {
                     tx = back;
+                    emitted_bytes += e.bytes();
                     emitted.push(e);
                     done.push(due);
                 }

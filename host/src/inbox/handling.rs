@@ -160,10 +160,13 @@ pub(crate) async fn run(
     jobs: &[&Job],
     undo: Undo,
 ) -> anyhow::Result<Ran> {
-    let mut emitted = Vec::with_capacity(jobs.len());
+    let mut emitted: Vec<Emitted> = Vec::with_capacity(jobs.len());
+    let mut emitted_bytes = 0;
     let mut first_returned: Option<Instant> = None;
     for (at, job) in jobs.iter().enumerate() {
-        if first_returned.is_some_and(|t| t.elapsed() >= RUN_BUDGET) {
+        // Past its time, or once its emits reach one call's limit, the run ends with the
+        // events it has done.
+        if first_returned.is_some_and(|t| t.elapsed() >= RUN_BUDGET) || emitted_bytes >= dispatcher.batch_emit_bytes() {
             break;
         }
         let contracts = &plugin.identity.contracts;
@@ -189,6 +192,7 @@ pub(crate) async fn run(
         {
             Ok((back, e)) => {
                 tx = back;
+                emitted_bytes += e.bytes();
                 emitted.push(e);
                 first_returned.get_or_insert_with(Instant::now);
             }

@@ -67,6 +67,18 @@ pub struct NewEvent {
     pub delay_ms: u64,
 }
 
+impl NewEvent {
+    /// The bytes the host holds for it until its write: its payload and its text fields.
+    pub fn bytes(&self) -> usize {
+        self.payload.len()
+            + self.aggregate_type.len()
+            + self.aggregate_id.len()
+            + self.event_type.len()
+            + self.topic.len()
+            + self.partition_key.len()
+    }
+}
+
 /// The fields of an event as a plugin gave them, before validation.
 pub struct RawEvent {
     pub event_id: Option<String>,

@@ -267,6 +267,10 @@ impl Guest for Testbed {
                 &[SqlValue::Text(event.event_id.clone())],
             )?;
         }
+        // Emits as the `emit` command does, with these arguments.
+        if let Some(args) = p.get("emit") {
+            emit_many(&event.event_id, args)?;
+        }
         if let Some(topic) = p["then"].as_str() {
             emit(&OutboxEvent {
                 event_id: None,
