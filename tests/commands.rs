@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{peak_rss, reset_peak_rss, spawn_host, spawn_host_with, Gate, TestHost};
+use obx_tests::{eventually, peak_rss, reset_peak_rss, spawn_host, spawn_host_with, Gate, TestHost};
 use serde_json::json;
 
 async fn rows_for(host: &TestHost, id: &str) -> (i64, i64) {
@@ -654,6 +654,36 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
 
     let a = host.command("testbed", "sql", slow_commit("later", 5.0)).await;
     assert_eq!((a.status, a.code()), (504, "outcome_unknown"), "{}", a.text);
+    host.shutdown().await;
+}
+
+/// A command whose commit's round trip fails on the server's side (here its backend is
+/// terminated while plugin code runs at the `COMMIT`) is answered 504 `outcome_unknown`: such
+/// a failure may come after the `COMMIT` completed, since the statements that clear the
+/// session follow it in the same message (a shutdown or a `pg_terminate_backend` right
+/// then). It was 503 `database_unavailable`, which tells a client that a retry is safe.
+#[tokio::test]
+async fn a_command_whose_commit_fails_on_the_server_is_answered_outcome_unknown() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(10)).await;
+    make_slow_commit(&host).await;
+    let role = host.plugin_role("testbed").await;
+    let sleeping = format!("FROM pg_stat_activity WHERE usename = '{role}' AND wait_event = 'PgSleep'");
+    let terminate = async {
+        eventually(Duration::from_secs(10), "the commit runs its trigger", || async {
+            host.count(&format!("SELECT count(*) {sleeping}")).await == 1
+        })
+        .await;
+        host.count(&format!(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) {sleeping}) t"
+        ))
+        .await
+    };
+    let (a, terminated) = tokio::join!(host.command("testbed", "sql", slow_commit("cut", 8.0)), terminate);
+    assert_eq!(terminated, 1);
+    assert_eq!((a.status, a.code()), (504, "outcome_unknown"), "{}", a.text);
+    // The host serves on, on a new session.
+    let a = host.command("testbed", "sql", slow_commit("next", 0.0)).await;
+    assert_eq!(a.status, 200, "{}", a.text);
     host.shutdown().await;
 }
 

@@ -451,9 +451,13 @@ impl Dispatcher {
                 // The same every time: the handler's doing (a deferred constraint or trigger),
                 // not a database to retry against.
                 (true, _) => CommandError::Aborted(format!("the commit was refused: {e}")),
-                // No answer from Postgres: the commit may have gone through.
-                (false, None) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
-                (false, Some(_)) => db_error(e),
+                // Lost to another transaction before the COMMIT: undone, and a retry may pass.
+                (false, Some(_)) if crate::db::lost_a_race(&e) => db_error(e),
+                // No answer from Postgres, or the server or the connection failed in the
+                // commit's round trip (a shutdown, a terminated backend), which may have been
+                // after the COMMIT: the statements that clear the session follow it in the
+                // same message. The commit may have gone through.
+                (false, _) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
             })?;
         if !events.is_empty() {
             plugin.identity.metrics().events_written.increment(events.len() as u64);

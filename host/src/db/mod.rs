@@ -58,6 +58,13 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether a transaction lost to a concurrent one (SQLSTATE class 40: a serialization
+/// failure, a deadlock) or gave up waiting for a lock (55P03): it was undone, and a retry may
+/// pass.
+pub fn lost_a_race(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().is_some_and(|c| c.starts_with("40") || c == "55P03"))
+}
+
 /// Whether a statement waited its `lock_timeout` for a lock and gave up (SQLSTATE 55P03).
 pub fn lock_timed_out(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
