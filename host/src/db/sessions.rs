@@ -405,8 +405,9 @@ impl PluginTx {
     /// commit, [`CHECK`] reads whether the plugin ended the host's transaction itself; if it
     /// did, the session is closed even when the commit went through. The statements given to
     /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. (An error after a
-    /// `COMMIT` that went through reads as a failed commit: only a plugin that changed its
-    /// own session's settings can cause one, to its own call.)
+    /// `COMMIT` that went through reads as a failed commit: a plugin that changed its own
+    /// session's settings can cause one, to its own call; the server can too, as a shutdown
+    /// or a terminated backend, which the command path answers as an unknown outcome.)
     async fn finish(&mut self, commit: bool) -> sqlx::Result<()> {
         let conn = self.conn.as_mut().expect("open until consumed");
         if commit {
