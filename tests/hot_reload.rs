@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use obx_tests::{eventually, peak_rss, plugin, producer, reset_peak_rss, send_event, spawn_host_with, TestHost};
+use obx_tests::{eventually, peak_rss, plugin, producer, reset_peak_rss, send_event, spawn_host_with, Gate, TestHost};
 use serde_json::{json, Value};
 
 /// Deploys a component the recommended way: write to a temporary name, then rename.
@@ -520,4 +520,74 @@ async fn failed_with(host: &TestHost, files: &[String], what: &str) -> usize {
             .is_some_and(|e| e.contains(what)) as usize;
     }
     failed
+}
+
+/// A consumer whose plugin is away for a moment goes on when it is back. Here the supervisor
+/// is busy stopping testbed's consumer (unloaded, whose handler waits on a lock) while
+/// hotswap is unloaded, gets an event, and is loaded again with the same subscriptions.
+/// Hotswap's lane, finding no plugin, ended with the event unsettled, and the supervisor kept
+/// the consumer listed as running: hotswap's events waited for its next change of
+/// subscriptions or a restart of the host. The lane now waits for the plugin, or for its
+/// consumer's stop.
+#[tokio::test]
+async fn a_consumer_whose_plugin_is_away_for_a_moment_goes_on_when_it_is_back() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.plugins.debounce = Duration::from_millis(100);
+        c.limits.statement_timeout = Duration::from_secs(60);
+        c.limits.call_deadline = Duration::from_secs(60);
+        c.limits.lock_timeout = Duration::from_secs(60);
+    })
+    .await;
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    let loaded = || async { version(&host).await.as_deref() == Some("2.0.0") };
+    eventually(Duration::from_secs(20), "hotswap loaded", loaded).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let first = send_event(&p, &host.topic("hotswap.events"), "k", "Ping", &json!({})).await;
+    let handled = |id: uuid::Uuid| {
+        let host = &host;
+        async move {
+            host.count(&format!("SELECT count(*) FROM hotswap.events WHERE event_id = '{id}'"))
+                .await
+                == 1
+        }
+    };
+    eventually(Duration::from_secs(20), "hotswap's consumer runs", || handled(first)).await;
+
+    // testbed's handler waits for the gate; testbed is unloaded, and the supervisor waits
+    // for its consumer to finish that event.
+    let gate = Gate::hold(&host.database_url).await;
+    send_event(
+        &p,
+        &host.topic("testbed.events"),
+        "k",
+        "Thing",
+        &json!({ "gate": true }),
+    )
+    .await;
+    eventually(Duration::from_secs(20), "testbed's handler waits", || async {
+        host.lock_waits().await >= 1
+    })
+    .await;
+    std::fs::remove_file(host.plugin_dir.path().join("testbed.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "testbed unloaded", || async {
+        host.command("testbed", "ok", json!({})).await.code() == "unknown_plugin"
+    })
+    .await;
+
+    // Meanwhile hotswap goes, gets an event, and comes back.
+    std::fs::remove_file(host.plugin_dir.path().join("hotswap.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "hotswap unloaded", || async {
+        version(&host).await.is_none()
+    })
+    .await;
+    let second = send_event(&p, &host.topic("hotswap.events"), "k", "Ping", &json!({})).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    eventually(Duration::from_secs(20), "hotswap loaded again", loaded).await;
+    gate.release().await;
+    eventually(Duration::from_secs(30), "hotswap's second event handled", || {
+        handled(second)
+    })
+    .await;
+    host.shutdown().await;
 }

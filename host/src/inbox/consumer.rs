@@ -21,6 +21,9 @@ use uuid::Uuid;
 /// Message bytes (KiB) a consumer holds in its lanes at most.
 const IN_FLIGHT_KIB: usize = 64 * 1024;
 
+/// How often a lane looks again for its plugin while it is away (see `Lane::plugin`).
+const PLUGIN_AWAY_POLL: Duration = Duration::from_millis(100);
+
 use super::handling::{self, Failure, Job, Ran, Undo};
 use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
@@ -667,7 +670,7 @@ impl Lane {
                 return self.retry_db(DbStep::Quarantine(m, &reason.0)).await;
             }
         };
-        let Some(plugin) = self.registry.get(&self.plugin) else {
+        let Some(plugin) = self.plugin().await else {
             return Done::Stopped;
         };
         let Some(subscription) = plugin.manifest.subscriptions.iter().find(|s| s.topic == event.topic) else {
@@ -704,7 +707,7 @@ impl Lane {
             }
         }
         loop {
-            let Some(plugin) = self.registry.get(&self.plugin) else {
+            let Some(plugin) = self.plugin().await else {
                 return Done::Stopped;
             };
             let step = async {
@@ -886,6 +889,23 @@ impl Lane {
         tracing::warn!(plugin = %self.plugin, error = %error, "database error or no call slot while consuming; retrying");
         self.pause(backoff(self.config.backoff_initial, self.config.backoff_max, n))
             .await
+    }
+
+    /// The plugin, once it is loaded: it may be away for a moment, unloaded and loaded again
+    /// (a file replaced by a delete and a copy). `None` once this consumer is stopping, as
+    /// the supervisor stops the consumer of a plugin that stays away. A lane that met the
+    /// plugin away used to end: its message unsettled, and the consumer ended at its
+    /// partition's next message, while the supervisor, busy or seeing the same subscriptions
+    /// again, kept it listed as running.
+    async fn plugin(&self) -> Option<Arc<crate::runtime::Plugin>> {
+        loop {
+            if let Some(plugin) = self.registry.get(&self.plugin) {
+                return Some(plugin);
+            }
+            if self.pause(PLUGIN_AWAY_POLL).await {
+                return None;
+            }
+        }
     }
 
     /// Sleeps; returns true if shutdown began meanwhile.

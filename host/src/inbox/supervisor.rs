@@ -1,10 +1,13 @@
 //! Keeps one consumer running per active plugin with subscriptions, and makes consumers
 //! follow the plugins: a plugin loaded starts one, a plugin unloaded stops its own, a new
 //! version with other subscriptions restarts it. A version with the same subscriptions keeps
-//! the running consumer, which takes each event to whatever version is active then.
+//! the running consumer, which takes each event to whatever version is active then. A
+//! consumer that ended on its own (its plugin was away when an event came, a client it could
+//! not make) is started again while its plugin is wanted, checked every [`RESTART_CHECK`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -28,6 +31,9 @@ pub struct Supervisor {
     pub inbox: Signal,
 }
 
+/// How often the consumers are checked for one that ended on its own.
+const RESTART_CHECK: Duration = Duration::from_secs(1);
+
 struct Running {
     subscriptions: Vec<Subscription>,
     stop: watch::Sender<bool>,
@@ -38,10 +44,13 @@ impl Supervisor {
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut running: HashMap<String, Running> = HashMap::new();
         let mut changes = self.registry.changes();
+        let mut check = tokio::time::interval(RESTART_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             self.sync(&mut running).await;
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { break },
+                _ = check.tick() => {}
                 _ = shutdown.changed() => break,
             }
         }
@@ -69,6 +78,17 @@ impl Supervisor {
                 stop(consumer).await;
             }
         }
+        // Its plugin was away when an event came (unloaded and loaded again while this
+        // supervisor was busy, or faster than it looked), or it could not make its client:
+        // without this, the plugin's events waited for its next change of subscriptions.
+        running.retain(|name, r| {
+            let ended = r.task.is_finished();
+            if ended && wanted.contains_key(name) {
+                tracing::warn!(plugin = %name, "the plugin's consumer ended on its own; starting it again");
+                metrics::counter!("obx_consumer_restarts_total", "plugin" => name.clone()).increment(1);
+            }
+            !ended
+        });
         for (name, subscriptions) in wanted {
             if running.contains_key(&name) {
                 continue;
