@@ -557,6 +557,63 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     host.shutdown().await;
 }
 
+/// A replay through the admin API answers within its request's time, in parts: past half of
+/// `http.request_timeout` it stops at a page's end, every event sent so far acknowledged,
+/// and says where the rest begins; the same filter from there goes on. A long replay was cut
+/// at the timeout (503 "took longer"), and its retry started over, so that it never ended.
+#[tokio::test]
+async fn a_replay_through_the_api_answers_in_parts_within_the_request_timeout() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to slow the broker");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.http.request_timeout = Duration::from_secs(4);
+        // Pages of two rows.
+        c.relay.batch_max_bytes = 8 * 1024;
+    })
+    .await;
+    let t = topic("replay");
+    let keys: Vec<String> = (0..40).map(|k| format!("k{k}")).collect();
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "r", "topic": t, "keys": keys, "payload_bytes": 3000 }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    all_published(&host, 40).await;
+    // Each page now waits at least 100 ms for its acknowledgements: twenty pages take longer
+    // than a part (2 s).
+    mock.delay(1, Duration::from_millis(100)).unwrap();
+    let mut filter = json!({ "from_id": 0 });
+    let (mut parts, mut replayed) = (0, 0);
+    loop {
+        let a = host.post_json("/v1/outbox/replay", filter.clone()).await;
+        assert_eq!(a.status, 200, "{}", a.text);
+        parts += 1;
+        replayed += a.body["replayed"].as_u64().unwrap();
+        if a.body["done"] == true {
+            break;
+        }
+        filter = json!({ "from_id": a.body["next_from_id"] });
+        assert!(parts < 20, "{}", a.text);
+    }
+    assert!(parts >= 2, "the replay answered in {parts} part");
+    assert_eq!(replayed, 40);
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 80, Duration::from_secs(15)).await;
+    let replays: HashSet<&str> = messages
+        .iter()
+        .filter(|m| m.header("obx-replay") == Some("true"))
+        .map(|m| m.header("eventId").unwrap())
+        .collect();
+    assert_eq!(replays.len(), 40, "each event replayed");
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn retention_deletes_old_published_rows_only() {
     let host = spawn_host(&["testbed"]).await;

@@ -185,6 +185,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
         brokers: brokers.clone(),
         kafka: config.kafka.clone(),
         relay: config.relay.clone(),
+        replay_part: config.http.request_timeout / 2,
         service: config.service.name.clone(),
         readiness: Default::default(),
     };

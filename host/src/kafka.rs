@@ -165,6 +165,14 @@ impl MockBroker {
         self.0.request_errors(api, &vec![error; count]);
     }
 
+    /// Makes every broker answer each request `delay` late (a slow network, for tests).
+    pub fn delay(&self, brokers: u32, delay: std::time::Duration) -> Result<()> {
+        for id in 1..=brokers.max(1) as i32 {
+            self.0.broker_round_trip_time(id, delay)?;
+        }
+        Ok(())
+    }
+
     /// Makes `partition` of `topic` leaderless (`leader` `None`), or led by broker `leader`:
     /// a partition without a leader takes no messages, and its producers wait.
     pub fn lead(&self, topic: &str, partition: i32, leader: Option<i32>) -> Result<()> {

@@ -94,7 +94,9 @@ pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQ
 }
 
 /// Publishes the stored events the filter selects again, through a producer of its own (the
-/// relay's is not shared: a replay must not hold up new events, nor they it).
+/// relay's is not shared: a replay must not hold up new events, nor they it). A long replay
+/// answers after `replay_part` with `done: false` and the `next_from_id` the same filter
+/// goes on from (`obx outbox replay` does so by itself).
 pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Json<ReplayFilter>) -> Response {
     if filter.is_empty() {
         return error_response(StatusCode::BAD_REQUEST, "bad_request", crate::outbox::replay::NO_FILTER);
@@ -115,18 +117,25 @@ pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Jso
             );
         }
     };
-    let result = crate::outbox::replay::replay(
+    let until = std::time::Instant::now() + state.replay_part;
+    let result = crate::outbox::replay::replay_until(
         &state.pool,
         &producer,
         &state.kafka,
         &filter,
         state.relay.batch_max_bytes,
+        Some(until),
     )
     .await;
     // Dropping a producer waits for its threads: off the async workers.
     let _ = tokio::task::spawn_blocking(move || drop(producer)).await;
     match result {
-        Ok(n) => Json(json!({ "replayed": n })).into_response(),
+        Ok(part) => Json(json!({
+            "replayed": part.sent,
+            "done": part.next_from_id.is_none(),
+            "next_from_id": part.next_from_id,
+        }))
+        .into_response(),
         Err(e) => {
             // Database and broker text goes to the log, not to the client.
             tracing::warn!(error = format!("{e:#}"), "outbox replay failed");

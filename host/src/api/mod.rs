@@ -45,6 +45,9 @@ pub struct AppState {
     pub kafka: crate::config::KafkaConfig,
     /// The relay's settings, which replays follow (`linger_ms`, `batch_max_bytes`).
     pub relay: crate::config::RelayConfig,
+    /// How long a replay through the admin API sends before it answers with where the rest
+    /// begins: half of `http.request_timeout`, the other half for its last page.
+    pub replay_part: Duration,
     /// `service.name`, for the event catalogue.
     pub service: String,
     /// Postgres's last answer to `/readyz`.

@@ -371,8 +371,18 @@ pub(super) async fn outbox_replay(
         if filter.is_empty() {
             anyhow::bail!(crate::outbox::replay::NO_FILTER);
         }
-        let answer = Admin::new(&config, &host).post("/v1/outbox/replay", &filter).await?;
-        println!("replayed {} events", answer["replayed"]);
+        // In parts: each answer says where the rest begins.
+        let admin = Admin::new(&config, &host);
+        let (mut filter, mut sent) = (filter, 0);
+        loop {
+            let answer = admin.post("/v1/outbox/replay", &filter).await?;
+            sent += answer["replayed"].as_u64().unwrap_or(0);
+            match answer["next_from_id"].as_i64() {
+                Some(next) if answer["done"] == false => filter.from_id = Some(next),
+                _ => break,
+            }
+        }
+        println!("replayed {sent} events");
         return Ok(ExitCode::SUCCESS);
     }
     let url = config

@@ -45,6 +45,15 @@ pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an
 pub const REPLAY_HEADER: &str = "obx-replay";
 const PAGE: u32 = 1000;
 
+/// What a replay (or a part of one) sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replayed {
+    pub sent: u64,
+    /// Where the rest begins, if the replay stopped at its time before the end: the same
+    /// filter with this `from_id` goes on.
+    pub next_from_id: Option<i64>,
+}
+
 /// Replays every matching event, in id order, and waits until the broker has acknowledged
 /// each. Returns how many were sent.
 pub async fn replay(
@@ -54,6 +63,22 @@ pub async fn replay(
     filter: &ReplayFilter,
     page_bytes: usize,
 ) -> Result<u64> {
+    Ok(replay_until(pool, producer, kafka, filter, page_bytes, None)
+        .await?
+        .sent)
+}
+
+/// [`replay`], stopping at the first page boundary past `until`, if given, with every event
+/// sent so far acknowledged: a replay through the admin API answers within its request's
+/// time, in parts (a long one was cut at `http.request_timeout`, and its retry started over).
+pub async fn replay_until(
+    pool: &PgPool,
+    producer: &FutureProducer,
+    kafka: &crate::config::KafkaConfig,
+    filter: &ReplayFilter,
+    page_bytes: usize,
+    until: Option<std::time::Instant>,
+) -> Result<Replayed> {
     let f = filter;
     if f.is_empty() {
         bail!(NO_FILTER);
@@ -115,7 +140,16 @@ pub async fn replay(
         if !cut && (rows.len() as u32) < limit {
             break;
         }
+        if until.is_some_and(|t| std::time::Instant::now() >= t) {
+            return Ok(Replayed {
+                sent,
+                next_from_id: Some(after.saturating_add(1)),
+            });
+        }
         limit = next_claim_limit(limit, &rows, cut, PAGE, page_bytes);
     }
-    Ok(sent)
+    Ok(Replayed {
+        sent,
+        next_from_id: None,
+    })
 }
