@@ -222,6 +222,10 @@ impl TimerService {
         let (mut failures, mut held) = (0u32, 0u32);
         // Batches of one timer still to fire, after a batch whose commit failed.
         let mut alone = 0usize;
+        // How many timers a batch reads (`db::next_take_limit`): a batch of large ones read
+        // 32 to keep one, and dropped the rest.
+        let most = self.config.batch_max_events.max(1);
+        let mut limit = most;
         loop {
             if *shutdown.borrow() {
                 return;
@@ -229,16 +233,15 @@ impl TimerService {
             let Some(plugin) = self.registry.get(&name).filter(|p| p.timed()) else {
                 return;
             };
-            let take = if alone > 0 {
-                1
-            } else {
-                self.config.batch_max_events.max(1)
-            };
+            let take = if alone > 0 { 1 } else { limit };
             let fired = self.fire_batch(&plugin, take).await;
             alone = alone.saturating_sub(1);
             let wait = match fired {
-                Ok(Batch::Fired) => {
+                Ok(Batch::Fired { kept, bytes, cut }) => {
                     (failures, held) = (0, 0);
+                    if take == limit {
+                        limit = crate::db::next_take_limit(limit, kept, bytes, cut, most, self.config.batch_max_bytes);
+                    }
                     continue;
                 }
                 Ok(Batch::Split(timers)) => {
@@ -304,7 +307,8 @@ impl TimerService {
         let due = sqlx::query_as::<_, Due>("SELECT * FROM obx_api.timer_take_traced($1)")
             .bind(take as i32)
             .fetch(&mut *tx);
-        let (due, _) = crate::db::take_within(due, self.config.batch_max_bytes, Due::bytes).await?;
+        let (due, cut) = crate::db::take_within(due, self.config.batch_max_bytes, Due::bytes).await?;
+        let (kept, bytes) = (due.len(), due.iter().map(Due::bytes).sum());
         if due.is_empty() {
             tx.rollback().await?;
             return Ok(Batch::Idle);
@@ -352,7 +356,7 @@ impl TimerService {
             // same timers again at once.
             return Err(crate::inbox::handling::NoCallSlot.into());
         }
-        Ok(Batch::Fired)
+        Ok(Batch::Fired { kept, bytes, cut })
     }
 
     /// What a batch whose commit failed (`e`), having run `ran` timers of which `done` did
@@ -388,7 +392,11 @@ impl TimerService {
             self.record_failure(&mut fresh, due, attempt, &error, park).await?;
         }
         fresh.commit().await?;
-        Ok(Batch::Fired)
+        Ok(Batch::Fired {
+            kept: done.len(),
+            bytes: done.iter().map(Due::bytes).sum(),
+            cut: false,
+        })
     }
 
     /// Runs one timer's handler behind a savepoint of `tx`; if `check`, only if the timer is
@@ -507,8 +515,9 @@ impl TimerService {
 
 /// How a batch of timers ended.
 enum Batch {
-    /// It took due timers and committed: each fired, or its failure was recorded.
-    Fired,
+    /// It took due timers and committed: each fired, or its failure was recorded. With how
+    /// many timers (of how many bytes) it kept of those it read, and whether it had to cut.
+    Fired { kept: usize, bytes: usize, cut: bool },
     /// No timer was due.
     Idle,
     /// The database refused its commit, with this many timers run: none was charged, and the

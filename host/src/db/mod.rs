@@ -230,6 +230,29 @@ where
     Ok((kept, false))
 }
 
+/// The rows the next read of a batch asks Postgres for, after one that asked for `limit` and
+/// kept `kept` rows of `kept_bytes` ([`take_within`]). A batch cut by its bytes was read whole
+/// all the same (the rest dropped), so the next asks for as many rows as fitted; a full batch
+/// well within its bytes asks for twice as many, up to `most_rows`. A backlog of large rows
+/// thus costs the database about what the host keeps.
+pub fn next_take_limit(
+    limit: u32,
+    kept: usize,
+    kept_bytes: usize,
+    cut: bool,
+    most_rows: u32,
+    most_bytes: usize,
+) -> u32 {
+    let rows = kept as u32;
+    if cut {
+        rows.max(1)
+    } else if rows >= limit && kept_bytes <= most_bytes / 2 {
+        limit.saturating_mul(2).min(most_rows)
+    } else {
+        limit
+    }
+}
+
 /// Ends each plugin session that holds sqlx's migration lock. Plugins have no use for
 /// advisory locks (the SQL policy refuses them), and this one stops every host's start.
 async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<()> {

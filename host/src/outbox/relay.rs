@@ -1048,20 +1048,11 @@ where
     crate::db::take_within(rows, max_bytes, OutboxRow::bytes).await
 }
 
-/// The rows the next claim asks Postgres for. A claim cut by its bytes was read whole all the
-/// same (Postgres sends every row of the query, and the rest are dropped), so the next one
-/// asks for as many rows as fitted; a full claim well within its bytes asks for twice as many,
-/// up to `batch_size`. A backlog of large rows thus costs the database about what it sends.
+/// The rows the next claim asks Postgres for: [`crate::db::next_take_limit`], up to
+/// `batch_size`. A backlog of large rows thus costs the database about what the relay sends.
 pub(super) fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, most_rows: u32, most_bytes: usize) -> u32 {
-    let rows = kept.len() as u32;
     let bytes: usize = kept.iter().map(OutboxRow::bytes).sum();
-    if cut {
-        rows.max(1)
-    } else if rows >= limit && bytes <= most_bytes / 2 {
-        limit.saturating_mul(2).min(most_rows)
-    } else {
-        limit
-    }
+    crate::db::next_take_limit(limit, kept.len(), bytes, cut, most_rows, most_bytes)
 }
 
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
