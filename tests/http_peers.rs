@@ -274,27 +274,54 @@ async fn a_flood_of_readiness_requests_costs_postgres_a_ping_a_second() {
     host.shutdown().await;
 }
 
-/// A command still running when the host stops has half of `http.shutdown_timeout` to
-/// finish; then its connection is cut and the command rolled back. A slow command, or a peer
-/// that takes its answer a few bytes at a time, cannot spend the time the consumers and the
-/// relay need to stop in order.
+/// Requests still running when the host stops have half of `http.shutdown_timeout` to
+/// finish. At three quarters of it they are answered as at their timeout: a command still
+/// running (here a guest that loops until its 20 s deadline) gets 503 `host_stopping` and is
+/// rolled back; a command whose `COMMIT` was sent is waited for, and its connection cut at
+/// the half if its commit runs on (here a deferred trigger that sleeps 10 s). A slow command,
+/// or a peer that takes its answer a few bytes at a time, cannot spend the time the consumers
+/// and the relay need to stop in order; the looping command's client was cut without an
+/// answer before.
 #[tokio::test]
-async fn a_shutdown_cuts_the_requests_still_running_after_half_its_timeout() {
+async fn a_shutdown_answers_the_requests_still_running_and_cuts_a_commit_that_runs_on() {
     let host = spawn_host_with(&["testbed"], |c| {
         c.limits.call_deadline = Duration::from_secs(20);
+        c.limits.statement_timeout = Duration::from_secs(30);
         c.http.request_timeout = Duration::from_secs(60);
         c.http.shutdown_timeout = Duration::from_secs(4);
     })
     .await;
-    let url = format!("{}/v1/commands/testbed/loop", host.url);
-    let request = tokio::spawn(async move { reqwest::Client::new().post(url).json(&json!({})).send().await });
-    // The command loops until its 20 s deadline.
+    let mut session = host.plugin_session("testbed").await;
+    sqlx::raw_sql(
+        "CREATE TABLE slow_commit (id text); \
+         CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(10); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()",
+    )
+    .execute(&mut session)
+    .await
+    .unwrap();
+    drop(session);
+    let post = |command: &str, body: serde_json::Value| {
+        let url = format!("{}/v1/commands/testbed/{command}", host.url);
+        tokio::spawn(async move { reqwest::Client::new().post(url).json(&body).send().await })
+    };
+    let looping = post("loop", json!({}));
+    let committing = post(
+        "sql",
+        json!({ "mode": "execute", "sql": "INSERT INTO slow_commit VALUES ('x')" }),
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let started = Instant::now();
     host.shutdown().await;
     let took = started.elapsed();
     // Half of the 4 s, and the rest of the shutdown; the call's deadline was 20 s away.
     assert!(took < Duration::from_secs(8), "the shutdown took {took:?}");
-    let answer = request.await.unwrap();
-    assert!(answer.is_err(), "the cut command was answered: {answer:?}");
+    let answer = looping.await.unwrap().expect("the looping command was answered");
+    assert_eq!(answer.status(), 503);
+    let body: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "host_stopping", "{body}");
+    let cut = committing.await.unwrap();
+    assert!(cut.is_err(), "the command whose commit runs on was answered: {cut:?}");
 }

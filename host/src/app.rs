@@ -194,14 +194,15 @@ pub async fn start(mut config: Config) -> Result<Host> {
         .with_context(|| format!("binding {} (http.listen)", config.http.listen))?;
     let addr = listener.local_addr()?;
     let (stop_http, stopped) = watch::channel(false);
-    let router = api::router(state, &config.http);
+    let (wind_down, winding_down) = watch::channel(false);
+    let router = api::router(state, &config.http, winding_down);
     let limits = api::server::Limits {
         max_connections: config.http.max_connections,
         header_read_timeout: config.http.header_read_timeout,
         write_timeout: config.http.write_timeout,
         drain: config.http.shutdown_timeout / 2,
     };
-    let server = tokio::spawn(api::server::serve(listener, router, limits, stopped));
+    let server = tokio::spawn(api::server::serve(listener, router, limits, stopped, wind_down));
     ready.store(true, Ordering::SeqCst);
     tracing::info!(%addr, "serving");
     Ok(Host {

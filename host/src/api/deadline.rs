@@ -1,7 +1,8 @@
 //! `http.request_timeout`, with the status that says whose time ran out: 408 when the
 //! request's body had not all arrived (the client was slow, and a retry on a better link may
 //! succeed), 503 when the host was still handling it, before any commit. A command already
-//! committing is given its outcome (see [`deadline`]).
+//! committing is given its outcome (see [`deadline`]). The same answers end the requests
+//! still running when a stopping host winds its connections down ([`Deadline::winding_down`]).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,14 +16,27 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::sync::watch;
 
 use super::error_response;
+
+/// The bounds of a request's handling.
+#[derive(Clone)]
+pub struct Deadline {
+    /// `http.request_timeout`.
+    pub timeout: Duration,
+    /// Turns true when a stopping host winds its connections down: requests still running
+    /// end as at their timeout, so that their clients get an answer before the connections
+    /// are cut (`api::server`).
+    pub winding_down: watch::Receiver<bool>,
+}
 
 /// Runs the request within `timeout`, which starts when its head has arrived. A command
 /// whose `COMMIT` was sent by then is waited for one more `timeout` and answered with its
 /// outcome: Postgres commits it whatever the host does, and a client told 503 would run it
-/// again. Past that, 504 `outcome_unknown`.
-pub async fn deadline(State(timeout): State<Duration>, request: Request, next: Next) -> Response {
+/// again. Past that, 504 `outcome_unknown`. A host winding down ends it early, the same way.
+pub async fn deadline(State(bounds): State<Deadline>, request: Request, next: Next) -> Response {
+    let (timeout, mut winding_down) = (bounds.timeout, bounds.winding_down);
     let received = Arc::new(AtomicBool::new(request.body().is_end_stream()));
     let request = request.map(|body| {
         Body::new(Received {
@@ -33,7 +47,22 @@ pub async fn deadline(State(timeout): State<Duration>, request: Request, next: N
     let committing = Arc::new(AtomicBool::new(false));
     let run = crate::dispatch::noting_commit(committing.clone(), next.run(request));
     tokio::pin!(run);
-    if let Ok(response) = tokio::time::timeout(timeout, &mut run).await {
+    let stopping = tokio::select! {
+        response = tokio::time::timeout(timeout, &mut run) => match response {
+            Ok(response) => return response,
+            Err(_) => false,
+        },
+        _ = winding_down.wait_for(|w| *w) => true,
+    };
+    if stopping && !committing.load(Ordering::Acquire) {
+        let mut response = error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "host_stopping",
+            "the host is stopping: the request was not carried out; send it again (to another host)",
+        );
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return response;
     }
     if !received.load(Ordering::Acquire) {

@@ -82,7 +82,9 @@ impl Readiness {
     }
 }
 
-pub fn router(state: AppState, http: &HttpConfig) -> Router {
+/// The API's routes and layers. `winding_down` turns true when the stopping server winds its
+/// connections down (see [`deadline::Deadline`]).
+pub fn router(state: AppState, http: &HttpConfig, winding_down: tokio::sync::watch::Receiver<bool>) -> Router {
     let tokens = auth::Tokens::new(&http.auth);
     let commands = Router::new()
         .route("/v1/commands/{plugin}/{command}", post(commands::run))
@@ -115,7 +117,10 @@ pub fn router(state: AppState, http: &HttpConfig) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(http.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
-            http.request_timeout,
+            deadline::Deadline {
+                timeout: http.request_timeout,
+                winding_down,
+            },
             deadline::deadline,
         ))
         .layer(axum::middleware::map_response(errors::json_errors))

@@ -14,11 +14,14 @@
 //! - A request's body and handling are bounded by the router's own layers
 //!   (`http.max_body_bytes`, `http.request_timeout`).
 //! - At shutdown, connections finish the requests they are serving for `drain` at most
-//!   (half of `http.shutdown_timeout`); then the rest are cut, so that a slow command or a
-//!   peer that takes its answer a few bytes at a time cannot spend the time the consumers and
-//!   the relay need to stop in order. A cut command rolls back, unless its `COMMIT` had been
-//!   sent: then it may have taken effect, as after a crash, and its client, which sees the
-//!   connection closed, learns which by retrying with its `Idempotency-Key`.
+//!   (half of `http.shutdown_timeout`), so that a slow command or a peer that takes its answer
+//!   a few bytes at a time cannot spend the time the consumers and the relay need to stop in
+//!   order. At three quarters of it, the requests still running are wound down: each is
+//!   answered as at its timeout (503 `host_stopping`, and rolled back; a command whose
+//!   `COMMIT` was sent is waited for). At its end, the connections still open are cut: a
+//!   command whose `COMMIT` had been sent may then have taken effect, as after a crash, and
+//!   its client, which sees the connection closed, learns which by retrying with its
+//!   `Idempotency-Key`.
 
 use std::future::Future;
 use std::io;
@@ -51,9 +54,16 @@ pub struct Limits {
 }
 
 /// Serves `router` on `listener` until `stop` turns true; then stops accepting, lets each
-/// connection finish the request it is serving for `limits.drain` at most, cuts those still
-/// open, and returns when every one has closed.
-pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut stop: watch::Receiver<bool>) {
+/// connection finish the request it is serving for `limits.drain` at most (winding them down,
+/// through `wind_down`, at three quarters of it), cuts those still open, and returns when
+/// every one has closed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+    wind_down: watch::Sender<bool>,
+) {
     let places = Arc::new(Semaphore::new(limits.max_connections));
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -106,7 +116,16 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, mut st
     }
     drop(open);
     drop(listener);
-    if tokio::time::timeout(limits.drain, open_tx.closed()).await.is_err() {
+    let wind_down_at = limits.drain.mul_f64(0.75);
+    if tokio::time::timeout(wind_down_at, open_tx.closed()).await.is_ok() {
+        return;
+    }
+    // The requests still running answer now, as at their timeout.
+    let _ = wind_down.send(true);
+    if tokio::time::timeout(limits.drain - wind_down_at, open_tx.closed())
+        .await
+        .is_err()
+    {
         tracing::warn!(
             connections = open_tx.receiver_count(),
             drain = ?limits.drain,
