@@ -58,7 +58,8 @@ pub async fn deadline(State(bounds): State<Deadline>, request: Request, next: Ne
         let mut response = error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "host_stopping",
-            "the host is stopping: the request was not carried out; send it again (to another host)",
+            "the host is stopping: the request was stopped before it finished (a command is rolled back); \
+             send it again, to another host",
         );
         response
             .headers_mut()
