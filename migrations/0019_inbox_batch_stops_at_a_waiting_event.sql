@@ -43,12 +43,17 @@ BEGIN
           AND NOT r.processed AND r.seq >= v_head.seq
           AND (v_head.partition_key IS NOT NULL OR r.event_id = v_head.event_id)
           AND NOT r.parked AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())
+          -- The first that waits among the batch's next events only: a key's whole backlog
+          -- would be read at every batch.
           AND r.seq < coalesce((
-              SELECT min(w.seq) FROM obx.inbox_event w
-              WHERE w.consumer = v_consumer AND w.topic = v_head.topic
-                AND w.partition_key = v_head.partition_key
-                AND NOT w.processed AND w.seq > v_head.seq
-                AND (w.parked OR w.next_attempt_at > now())), 9223372036854775807)
+              SELECT min(w.seq) FROM (
+                  SELECT q.seq, q.parked, q.next_attempt_at FROM obx.inbox_event q
+                  WHERE q.consumer = v_consumer AND q.topic = v_head.topic
+                    AND q.partition_key = v_head.partition_key
+                    AND NOT q.processed AND q.seq > v_head.seq
+                  ORDER BY q.seq
+                  LIMIT v_limit) w
+              WHERE w.parked OR w.next_attempt_at > now()), 9223372036854775807)
         ORDER BY r.seq
         LIMIT v_limit
         FOR UPDATE OF r

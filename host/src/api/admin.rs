@@ -93,11 +93,24 @@ pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQ
     }
 }
 
+/// `?parts=true`: the caller takes a replay in parts.
+#[derive(Deserialize)]
+pub struct ReplayQuery {
+    #[serde(default)]
+    parts: bool,
+}
+
 /// Publishes the stored events the filter selects again, through a producer of its own (the
-/// relay's is not shared: a replay must not hold up new events, nor they it). A long replay
-/// answers after `replay_part` with `done: false` and the `next_from_id` the same filter
-/// goes on from (`obx outbox replay` does so by itself).
-pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Json<ReplayFilter>) -> Response {
+/// relay's is not shared: a replay must not hold up new events, nor they it). With
+/// `?parts=true`, a long replay stops at the first page's end past `replay_part` and answers
+/// `done: false` with the `next_from_id` the same filter goes on from (`obx outbox replay`
+/// does so by itself). Without it, as callers of the previous version expect, it answers
+/// only when done, and a long one meets `http.request_timeout`.
+pub async fn outbox_replay(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<ReplayQuery>,
+    Json(filter): Json<ReplayFilter>,
+) -> Response {
     if filter.is_empty() {
         return error_response(StatusCode::BAD_REQUEST, "bad_request", crate::outbox::replay::NO_FILTER);
     }
@@ -117,14 +130,14 @@ pub async fn outbox_replay(State(state): State<Arc<AppState>>, Json(filter): Jso
             );
         }
     };
-    let until = std::time::Instant::now() + state.replay_part;
+    let until = q.parts.then(|| std::time::Instant::now() + state.replay_part);
     let result = crate::outbox::replay::replay_until(
         &state.pool,
         &producer,
         &state.kafka,
         &filter,
         state.relay.batch_max_bytes,
-        Some(until),
+        until,
     )
     .await;
     // Dropping a producer waits for its threads: off the async workers.

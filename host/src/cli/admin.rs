@@ -375,7 +375,14 @@ pub(super) async fn outbox_replay(
         let admin = Admin::new(&config, &host);
         let (mut filter, mut sent) = (filter, 0);
         loop {
-            let answer = admin.post("/v1/outbox/replay", &filter).await?;
+            let answer = admin.post("/v1/outbox/replay?parts=true", &filter).await;
+            let answer = match (answer, filter.from_id) {
+                (Ok(answer), _) => answer,
+                (Err(e), Some(from)) if sent > 0 => {
+                    return Err(e.context(format!("{sent} events were replayed; to go on, add --from-id {from}")));
+                }
+                (Err(e), _) => return Err(e),
+            };
             sent += answer["replayed"].as_u64().unwrap_or(0);
             match answer["next_from_id"].as_i64() {
                 Some(next) if answer["done"] == false => filter.from_id = Some(next),

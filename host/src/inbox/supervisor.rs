@@ -3,11 +3,12 @@
 //! version with other subscriptions restarts it. A version with the same subscriptions keeps
 //! the running consumer, which takes each event to whatever version is active then. A
 //! consumer that ended on its own (its plugin was away when an event came, a client it could
-//! not make) is started again while its plugin is wanted, checked every [`RESTART_CHECK`].
+//! not make) is started again while its plugin is wanted, checked every [`RESTART_CHECK`],
+//! after a wait that doubles while it keeps ending (up to [`RESTART_MAX`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -33,21 +34,33 @@ pub struct Supervisor {
 
 /// How often the consumers are checked for one that ended on its own.
 const RESTART_CHECK: Duration = Duration::from_secs(1);
+/// The longest wait before a consumer that keeps ending is started again (the waits double
+/// from [`RESTART_CHECK`]; one that ran this long first starts again at once).
+const RESTART_MAX: Duration = Duration::from_secs(60);
 
 struct Running {
     subscriptions: Vec<Subscription>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    started: Instant,
+}
+
+/// A plugin whose consumer ended on its own: how many times in a row, and when it may start
+/// again. A consumer that cannot make its client ends at once, every time.
+struct Restart {
+    ended: u32,
+    not_before: Instant,
 }
 
 impl Supervisor {
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut running: HashMap<String, Running> = HashMap::new();
+        let mut restarts: HashMap<String, Restart> = HashMap::new();
         let mut changes = self.registry.changes();
         let mut check = tokio::time::interval(RESTART_CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            self.sync(&mut running).await;
+            self.sync(&mut running, &mut restarts).await;
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { break },
                 _ = check.tick() => {}
@@ -59,7 +72,7 @@ impl Supervisor {
         }
     }
 
-    async fn sync(&self, running: &mut HashMap<String, Running>) {
+    async fn sync(&self, running: &mut HashMap<String, Running>, restarts: &mut HashMap<String, Restart>) {
         let wanted: HashMap<String, Vec<Subscription>> = self
             .registry
             .plugins()
@@ -84,13 +97,28 @@ impl Supervisor {
         running.retain(|name, r| {
             let ended = r.task.is_finished();
             if ended && wanted.contains_key(name) {
-                tracing::warn!(plugin = %name, "the plugin's consumer ended on its own; starting it again");
+                let before = restarts.get(name).filter(|_| r.started.elapsed() < RESTART_MAX);
+                let ended_times = before.map_or(1, |b| b.ended.saturating_add(1));
+                let wait = RESTART_CHECK
+                    .saturating_mul(2u32.saturating_pow(ended_times - 1))
+                    .min(RESTART_MAX);
+                tracing::warn!(plugin = %name, times = ended_times, starting_in = ?wait,
+                    "the plugin's consumer ended on its own; starting it again");
                 metrics::counter!("obx_consumer_restarts_total", "plugin" => name.clone()).increment(1);
+                let not_before = Instant::now() + wait;
+                restarts.insert(
+                    name.clone(),
+                    Restart {
+                        ended: ended_times,
+                        not_before,
+                    },
+                );
             }
             !ended
         });
+        restarts.retain(|name, _| wanted.contains_key(name));
         for (name, subscriptions) in wanted {
-            if running.contains_key(&name) {
+            if running.contains_key(&name) || restarts.get(&name).is_some_and(|r| r.not_before > Instant::now()) {
                 continue;
             }
             let (stop, stopped) = watch::channel(false);
@@ -112,6 +140,7 @@ impl Supervisor {
                     subscriptions,
                     stop,
                     task: tokio::spawn(consumer.run()),
+                    started: Instant::now(),
                 },
             );
         }

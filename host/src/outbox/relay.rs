@@ -310,6 +310,9 @@ struct State {
     /// `INVALID_RECORD`), and librdkafka fails every row in it with that error: small rows of
     /// other keys were set aside with the one too large.
     alone: HashMap<i64, i32>,
+    /// The highest row id this relay has sent: a later row of a key that went ahead of a
+    /// refused one was sent by it, so none lies past this.
+    sent_up_to: i64,
 }
 
 impl Relay {
@@ -331,6 +334,7 @@ impl Relay {
             last_report: None,
             broker_answered: None,
             alone: HashMap::new(),
+            sent_up_to: 0,
         };
         let mut listener: Option<PgListener> = None;
         let mut backoff = self.config.backoff_initial;
@@ -627,6 +631,7 @@ impl Relay {
                         alone: solo == Some(row.id),
                     };
                     st.inflight.insert(row.id, inflight);
+                    st.sent_up_to = st.sent_up_to.max(row.id);
                 }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                     // Back-pressure, not a fault of the row: stop queueing for this step.
@@ -760,7 +765,7 @@ impl Relay {
         }
         // After the marks: a later row of a refused row's key may be among them.
         let in_flight = st.inflight.values().map(|f| &f.row);
-        settle_again_alone(&mut tx, &mut st.alone, in_flight, &mut refused).await?;
+        settle_again_alone(&mut tx, &mut st.alone, in_flight, st.sent_up_to, &mut refused).await?;
         if !refused.is_empty() {
             self.record_refusals(&mut tx, &refused).await?;
         }
@@ -870,11 +875,14 @@ fn first_to_go_alone(rows: &[OutboxRow], alone: &HashMap<i64, i32>) -> Option<i6
 /// Decides, for each row refused for good with other rows in flight, whether it goes
 /// again alone (`State::alone`): not if a later row of its key on its topic is published
 /// (this step's marks included: run after them) or still in flight, since that row would
-/// then precede it on the broker. Such a row is set aside, and its key moves on.
+/// then precede it on the broker. Such a row is set aside, and its key moves on. A later row
+/// that went ahead was sent by this relay, so only rows up to `sent_up_to` are read: the
+/// claims since the refused row's, not the outbox.
 async fn settle_again_alone<'a>(
     conn: &mut PgConnection,
     alone: &mut HashMap<i64, i32>,
     in_flight: impl Iterator<Item = &'a SentRow>,
+    sent_up_to: i64,
     refused: &mut [(SentRow, Refusal)],
 ) -> sqlx::Result<()> {
     let candidates: Vec<&SentRow> = refused
@@ -885,15 +893,16 @@ async fn settle_again_alone<'a>(
     if candidates.is_empty() {
         return Ok(());
     }
-    // Walks the rows written after each candidate (a recent row), by the primary key.
+    // Walks the rows from each candidate to the last this relay sent, by the primary key.
     let published: HashSet<i64> = sqlx::query_scalar(
         "SELECT r.id FROM unnest($1::bigint[], $2::text[], $3::text[]) AS r(id, topic, key) \
-         WHERE EXISTS (SELECT 1 FROM obx.outbox_event o WHERE o.id > r.id AND o.topic = r.topic \
-                         AND o.partition_key = r.key AND o.published_at IS NOT NULL)",
+         WHERE EXISTS (SELECT 1 FROM obx.outbox_event o WHERE o.id > r.id AND o.id <= $4 \
+                         AND o.topic = r.topic AND o.partition_key = r.key AND o.published_at IS NOT NULL)",
     )
     .bind(candidates.iter().map(|r| r.id).collect::<Vec<_>>())
     .bind(candidates.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>())
     .bind(candidates.iter().map(|r| r.partition_key.as_str()).collect::<Vec<_>>())
+    .bind(sent_up_to)
     .fetch_all(conn)
     .await?
     .into_iter()
@@ -1240,7 +1249,7 @@ mod tests {
         ];
         let mut alone = HashMap::new();
         let mut conn = pool.acquire().await.unwrap();
-        settle_again_alone(&mut conn, &mut alone, in_flight.iter(), &mut refused)
+        settle_again_alone(&mut conn, &mut alone, in_flight.iter(), ids["k2"] + 1, &mut refused)
             .await
             .unwrap();
         let settled: Vec<(bool, Option<i32>)> = refused.iter().map(|(_, r)| (r.permanent, r.again_alone)).collect();
