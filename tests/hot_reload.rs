@@ -591,3 +591,30 @@ async fn a_consumer_whose_plugin_is_away_for_a_moment_goes_on_when_it_is_back() 
     .await;
     host.shutdown().await;
 }
+
+/// Hosts of one installation that load different plugins at the same moment all load them.
+/// Each load grants on `obx_api`, and Postgres refuses a second concurrent change of one
+/// catalog row ("tuple concurrently updated"): a host's plugin stayed unloaded until its file
+/// changed. The loads now take turns.
+#[tokio::test]
+async fn hosts_that_load_different_plugins_at_once_all_load_them() {
+    let first = spawn_host_with(&[], |_| {}).await;
+    let url = first.database_url.clone();
+    let plugins = ["orders", "inventory", "payments", "testbed"];
+    let start = |i: usize| obx_tests::spawn_host_on(&url, &plugins[i..=i], |_| {});
+    let (a, b, c, d) = tokio::join!(start(0), start(1), start(2), start(3));
+    let hosts = [a, b, c, d];
+    for (host, plugin) in hosts.iter().zip(plugins) {
+        let listed = host.get("/v1/plugins").await.body;
+        let loaded = listed["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == plugin && p["last_error"].is_null());
+        assert!(loaded, "{plugin} did not load: {listed}");
+    }
+    for host in hosts {
+        host.shutdown().await;
+    }
+    first.shutdown().await;
+}

@@ -98,6 +98,10 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
     let mut tx = pool.begin().await?;
     // Another host may be provisioning the same plugin; that takes moments, not minutes.
     (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
+    // Provisions take turns across hosts, whatever their plugins: each grants on `obx_api`,
+    // and Postgres refuses a second concurrent change of one catalog row ("tuple
+    // concurrently updated"), which left that host's plugin unloaded until its file changed.
+    (&mut *tx).execute("SELECT 1 FROM obx.installation FOR UPDATE").await?;
     let role = role_name(&mut tx, name).await?;
     let registered: Option<String> = sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1 FOR UPDATE")
         .bind(name)
