@@ -281,6 +281,26 @@ impl Default for PluginsConfig {
     }
 }
 
+/// `path` with links and `..` resolved as far as it exists (a cache directory may not exist
+/// yet), and the rest as written.
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
 impl PluginsConfig {
     /// The compile cache directory, if caching is on.
     pub fn cache_dir(&self) -> Option<PathBuf> {
@@ -956,14 +976,14 @@ impl Config {
             );
         }
         if let Some(cache) = self.plugins.cache_dir() {
-            let same = |a: &Path, b: &Path| {
-                a.canonicalize()
-                    .ok()
-                    .zip(b.canonicalize().ok())
-                    .is_some_and(|(a, b)| a == b)
-            };
-            if cache == self.plugins.dir || same(&cache, &self.plugins.dir) {
-                return invalid("plugins.cache_dir", "must not be the plugin directory");
+            // Whoever may write the plugin directory could put a directory of their own in
+            // the cache's place, and the host would run the native code it finds there.
+            if resolved(&cache).starts_with(resolved(&self.plugins.dir)) {
+                return invalid(
+                    "plugins.cache_dir",
+                    "must not be the plugin directory or inside it: whoever may write plugins could replace \
+                     the compiled code the host runs",
+                );
             }
         }
         if self.plugins.rescan_interval < Duration::from_millis(100) {
@@ -1166,6 +1186,11 @@ mod tests {
                 "rescan too often",
                 "[plugins]\nrescan_interval = \"1ms\"",
                 "plugins.rescan_interval",
+            ),
+            (
+                "a compile cache inside the plugin directory",
+                "[plugins]\ndir = \"/tmp/obx-plugins\"\ncache_dir = \"/tmp/obx-plugins/x/../.cache\"",
+                "plugins.cache_dir",
             ),
             ("url scheme", "[database]\nurl = \"mysql://u:pw@h/db\"", "database.url"),
             (
