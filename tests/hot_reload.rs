@@ -618,3 +618,28 @@ async fn hosts_that_load_different_plugins_at_once_all_load_them() {
     }
     first.shutdown().await;
 }
+
+/// A file refused because another file provides the same plugin loads once that file is
+/// gone. It was refused for good (until it changed), and the plugin stayed unloaded.
+#[tokio::test]
+async fn a_file_refused_for_a_plugin_another_provides_loads_when_that_one_goes() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "a.wasm");
+    eventually(Duration::from_secs(20), "a.wasm serves hotswap", || async {
+        version(&host).await.as_deref() == Some("1.0.0")
+    })
+    .await;
+    deploy(&host, "hotswap_v2", "b.wasm");
+    eventually(Duration::from_secs(20), "b.wasm refused", || async {
+        status(&host, "b.wasm").await["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already provided by"))
+    })
+    .await;
+    std::fs::remove_file(host.plugin_dir.path().join("a.wasm")).unwrap();
+    eventually(Duration::from_secs(20), "b.wasm serves hotswap", || async {
+        version(&host).await.as_deref() == Some("2.0.0")
+    })
+    .await;
+    host.shutdown().await;
+}

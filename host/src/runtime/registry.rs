@@ -40,6 +40,9 @@ struct FileState {
     seen: Option<Fingerprint>,
     /// Its last load failed for a reason that may pass (see [`LoadError`]).
     retry: bool,
+    /// Its last load was refused because this other file provides the same plugin: it is
+    /// loaded again once that file is gone.
+    provided_by: Option<PathBuf>,
 }
 
 /// What a file's metadata say of it: when any of it changes, it is loaded again (and its
@@ -151,7 +154,16 @@ impl Registry {
     /// Forgets a file that is gone, and unloads the plugin it provided. Calls in flight keep
     /// the version they started with.
     pub fn unload_file(&self, path: &Path) -> Option<String> {
-        let removed = self.lock_files().remove(path)?;
+        let removed = {
+            let mut files = self.lock_files();
+            let removed = files.remove(path)?;
+            // A file refused because another provided its plugin may serve it now (all are
+            // tried: the one that refused it may since have been renamed).
+            for waiting in files.values_mut().filter(|s| s.provided_by.is_some()) {
+                (waiting.retry, waiting.provided_by) = (true, None);
+            }
+            removed
+        };
         let name = removed.plugin?;
         self.active.rcu(|active| {
             let mut next = HashMap::clone(active);
@@ -224,6 +236,7 @@ impl Registry {
             .file_providing(&name)
             .filter(|other| other != path && other.exists())
         {
+            self.lock_files().entry(path.to_path_buf()).or_default().provided_by = Some(other.clone());
             return Err(LoadError::fixed(format!(
                 "plugin {name:?} is already provided by {}",
                 other.display()

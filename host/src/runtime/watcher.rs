@@ -123,9 +123,13 @@ pub fn spawn(
                     for path in due {
                         pending.remove(&path);
                         // A load can take minutes (a migration): shutdown does not wait for it.
-                        tokio::select! {
-                            _ = settle(&path, &runtime, &pool, &registry) => {}
+                        let unloaded = tokio::select! {
+                            unloaded = settle(&path, &runtime, &pool, &registry) => unloaded,
                             _ = shutdown.changed() => return,
+                        };
+                        if unloaded {
+                            // A file refused for the plugin this one provided may load now.
+                            watched.queue_stale(&registry, &mut pending, debounce);
                         }
                     }
                 }
@@ -177,11 +181,13 @@ async fn sleep_until(due: Option<Instant>) {
     }
 }
 
-/// Brings the registry in line with the file as it is now.
-async fn settle(path: &Path, runtime: &Arc<Runtime>, pool: &PgPool, registry: &Registry) {
+/// Brings the registry in line with the file as it is now. Returns whether it unloaded a
+/// plugin.
+async fn settle(path: &Path, runtime: &Arc<Runtime>, pool: &PgPool, registry: &Registry) -> bool {
     if path.is_file() {
         let _ = registry.load_file(runtime, pool, path).await;
+        false
     } else {
-        registry.unload_file(path);
+        registry.unload_file(path).is_some()
     }
 }
