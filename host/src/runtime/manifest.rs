@@ -204,6 +204,10 @@ impl Manifest {
                 ));
             }
             last = Some(m.id);
+            // Recorded as Postgres `integer`: a larger id wrapped, and its order with it.
+            if i32::try_from(m.id).is_err() {
+                return Err(format!("migration id {} is over {}", m.id, i32::MAX));
+            }
             if m.name.is_empty() {
                 return Err(format!("migration {} has no name", m.id));
             }
@@ -454,6 +458,17 @@ mod tests {
             (
                 Box::new(|m| m.migrations[0].sql = "CREATE ROLE x".into()),
                 "migration 1",
+            ),
+            (
+                Box::new(|m| {
+                    m.migrations.push(Migration {
+                        id: u32::MAX,
+                        name: "x".into(),
+                        sql: "".into(),
+                        statements: vec![],
+                    })
+                }),
+                "is over",
             ),
         ];
         for (change, needle) in cases {
