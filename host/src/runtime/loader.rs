@@ -104,13 +104,26 @@ async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Resul
     }
 }
 
+/// Why a component file could not be read, and whether reading it again may succeed.
+pub struct ReadError {
+    pub message: String,
+    pub may_pass: bool,
+}
+
 /// Reads a component file, but never more than `limit` bytes of it: a larger file (an
 /// artefact dropped in the directory by mistake, a sparse file of many GiB) is refused as
 /// too large without being read whole, which could take the host's memory.
-pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, String> {
+pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, ReadError> {
     use tokio::io::AsyncReadExt;
-    let reading = |e: std::io::Error| format!("reading {}: {e}", path.display());
-    let too_large = |size| LoadError::TooLarge { size, limit }.to_string();
+    // The file system failed (out of descriptors, an I/O error): it may not the next time.
+    let reading = |e: std::io::Error| ReadError {
+        message: format!("reading {}: {e}", path.display()),
+        may_pass: true,
+    };
+    let too_large = |size| ReadError {
+        message: LoadError::TooLarge { size, limit }.to_string(),
+        may_pass: false,
+    };
     let file = tokio::fs::File::open(path).await.map_err(reading)?;
     let size = file.metadata().await.map_err(reading)?.len();
     if size > limit {

@@ -213,9 +213,14 @@ impl Registry {
         path: &Path,
         seen: Option<Fingerprint>,
     ) -> Result<Arc<Plugin>, LoadError> {
+        // A read that failed for the file system (out of descriptors) is tried again at the
+        // next rescan; it left the plugin unloaded until its file changed.
         let bytes = loader::read_component(path, runtime.limits().max_component_bytes)
             .await
-            .map_err(LoadError::fixed)?;
+            .map_err(|e| LoadError {
+                message: e.message,
+                may_pass: e.may_pass,
+            })?;
         // The same bytes as the version this file already serves: nothing to do.
         if let Some(current) = self.active_from(path) {
             if current.sha256 == hex::encode(sha2::Sha256::digest(&bytes)) {
