@@ -282,9 +282,23 @@ impl Default for PluginsConfig {
 }
 
 /// `path` with links and `..` resolved as far as it exists (a cache directory may not exist
-/// yet), and the rest as written.
+/// yet), and the rest as written, its `..` taken lexically.
 fn resolved(path: &Path) -> PathBuf {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    if let Ok(real) = absolute.canonicalize() {
+        return real;
+    }
+    let mut lexical = PathBuf::new();
+    for part in absolute.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                lexical.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => lexical.push(other),
+        }
+    }
+    let absolute = lexical;
     let mut existing = absolute.as_path();
     let mut rest = Vec::new();
     loop {
@@ -1189,7 +1203,7 @@ mod tests {
             ),
             (
                 "a compile cache inside the plugin directory",
-                "[plugins]\ndir = \"/tmp/obx-plugins\"\ncache_dir = \"/tmp/obx-plugins/x/../.cache\"",
+                "[plugins]\ndir = \"/tmp\"\ncache_dir = \"/var/../tmp/obx-missing/../.obx-cache\"",
                 "plugins.cache_dir",
             ),
             ("url scheme", "[database]\nurl = \"mysql://u:pw@h/db\"", "database.url"),

@@ -120,7 +120,7 @@ pub async fn outbox_replay(
         &state.relay,
         Some(Duration::from_secs(30)),
     ) {
-        Ok(p) => p,
+        Ok(p) => OffWorkers(Some(p)),
         Err(e) => {
             tracing::warn!(error = format!("{e:#}"), "no producer for an outbox replay");
             return error_response(
@@ -133,15 +133,14 @@ pub async fn outbox_replay(
     let until = q.parts.then(|| std::time::Instant::now() + state.replay_part);
     let result = crate::outbox::replay::replay_until(
         &state.pool,
-        &producer,
+        producer.0.as_ref().expect("made above"),
         &state.kafka,
         &filter,
         state.relay.batch_max_bytes,
         until,
     )
     .await;
-    // Dropping a producer waits for its threads: off the async workers.
-    let _ = tokio::task::spawn_blocking(move || drop(producer)).await;
+    drop(producer);
     match result {
         Ok(part) => Json(json!({
             "replayed": part.sent,
@@ -157,6 +156,18 @@ pub async fn outbox_replay(
                 "replay_failed",
                 "the replay did not finish (events already sent stay sent); see the host's log",
             )
+        }
+    }
+}
+
+/// A replay's producer, dropped off the async workers (dropping one waits for its threads),
+/// also when the request is dropped: at its timeout, or when a stopping host winds it down.
+struct OffWorkers(Option<rdkafka::producer::FutureProducer>);
+
+impl Drop for OffWorkers {
+    fn drop(&mut self) {
+        if let Some(producer) = self.0.take() {
+            tokio::task::spawn_blocking(move || drop(producer));
         }
     }
 }

@@ -35,7 +35,7 @@ pub struct Supervisor {
 /// How often the consumers are checked for one that ended on its own.
 const RESTART_CHECK: Duration = Duration::from_secs(1);
 /// The longest wait before a consumer that keeps ending is started again (the waits double
-/// from [`RESTART_CHECK`]; one that ran this long first starts again at once).
+/// from [`RESTART_CHECK`]; one that ran this long first waits the shortest again).
 const RESTART_MAX: Duration = Duration::from_secs(60);
 
 struct Running {
@@ -86,6 +86,8 @@ impl Supervisor {
             .map(|(name, _)| name.clone())
             .collect();
         for name in outdated {
+            // A new version with other subscriptions starts at once.
+            restarts.remove(&name);
             if let Some(consumer) = running.remove(&name) {
                 tracing::info!(plugin = %name, "stopping the consumer: the plugin's subscriptions changed or it was unloaded");
                 stop(consumer).await;

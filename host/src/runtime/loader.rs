@@ -116,9 +116,10 @@ pub struct ReadError {
 pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, ReadError> {
     use tokio::io::AsyncReadExt;
     // The file system failed (out of descriptors, an I/O error): it may not the next time.
+    // Not a file the host may not read: changing its mode changes it, which loads it again.
     let reading = |e: std::io::Error| ReadError {
         message: format!("reading {}: {e}", path.display()),
-        may_pass: true,
+        may_pass: e.kind() != std::io::ErrorKind::PermissionDenied,
     };
     let too_large = |size| ReadError {
         message: LoadError::TooLarge { size, limit }.to_string(),

@@ -58,11 +58,19 @@ pub async fn prepare(
     })
 }
 
+/// Postgres's refusal of a second concurrent change of one catalog row (a grant on `obx_api`
+/// while a newer host's migrations replace its functions, say): tried again, it passes.
+fn concurrently_updated(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("XX000")
+        && d.message().contains("tuple concurrently updated"))
+}
+
 /// Whether preparing may succeed if tried again: the database failed or was busy
-/// ([`crate::db::may_pass`]) somewhere in `e`'s chain.
+/// ([`crate::db::may_pass`]), or a catalog row was changed concurrently, somewhere in `e`'s
+/// chain.
 fn may_pass(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
-        cause.downcast_ref::<sqlx::Error>().is_some_and(crate::db::may_pass)
+        cause.downcast_ref::<sqlx::Error>().is_some_and(|e| crate::db::may_pass(e) || concurrently_updated(e))
             || cause.downcast_ref::<MigrationFailed>().is_some_and(|m| m.may_pass)
             || matches!(cause.downcast_ref::<SessionError>(), Some(SessionError::Database(db)) if crate::db::may_pass(db))
     })
@@ -98,10 +106,6 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
     let mut tx = pool.begin().await?;
     // Another host may be provisioning the same plugin; that takes moments, not minutes.
     (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
-    // Provisions take turns across hosts, whatever their plugins: each grants on `obx_api`,
-    // and Postgres refuses a second concurrent change of one catalog row ("tuple
-    // concurrently updated"), which left that host's plugin unloaded until its file changed.
-    (&mut *tx).execute("SELECT 1 FROM obx.installation FOR UPDATE").await?;
     let role = role_name(&mut tx, name).await?;
     let registered: Option<String> = sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1 FOR UPDATE")
         .bind(name)
@@ -131,6 +135,12 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         adopt_legacy_role(&mut tx, name, &old, &role).await?;
     }
     configure_role(&mut tx, &role, &settings, limits).await?;
+    // The grants on `obx_api` take turns across hosts, whatever their plugins: Postgres refuses
+    // a second concurrent change of one catalog row ("tuple concurrently updated"), which left
+    // that host's plugin unloaded until its file changed. Taken after the plugin's own row
+    // (above), which a migration holds for as long as it runs: a host waiting for that row
+    // holds up no other plugin's load. Held to the commit, a few statements on.
+    (&mut *tx).execute("SELECT 1 FROM obx.installation FOR UPDATE").await?;
     // Names were validated as [a-z][a-z0-9_]*, and the installation id as hex: quoting is enough.
     for ddl in [
         format!("CREATE SCHEMA IF NOT EXISTS \"{name}\" AUTHORIZATION \"{role}\""),

@@ -45,6 +45,15 @@ struct FileState {
     provided_by: Option<PathBuf>,
 }
 
+/// Marks the files refused because another file provided their plugin for a retry: one
+/// provides a plugin no longer (all are tried: the one that refused a file may since have
+/// been renamed). Each is refused again, and waits again, if its plugin is still provided.
+fn retry_refused_for_another(files: &mut HashMap<PathBuf, FileState>) {
+    for waiting in files.values_mut().filter(|s| s.provided_by.is_some()) {
+        (waiting.retry, waiting.provided_by) = (true, None);
+    }
+}
+
 /// What a file's metadata say of it: when any of it changes, it is loaded again (and its
 /// bytes decide whether anything changed). Size and modification time alone miss a
 /// replacement that keeps both (`cp -p`, a build that pins timestamps); a file renamed into
@@ -157,11 +166,7 @@ impl Registry {
         let removed = {
             let mut files = self.lock_files();
             let removed = files.remove(path)?;
-            // A file refused because another provided its plugin may serve it now (all are
-            // tried: the one that refused it may since have been renamed).
-            for waiting in files.values_mut().filter(|s| s.provided_by.is_some()) {
-                (waiting.retry, waiting.provided_by) = (true, None);
-            }
+            retry_refused_for_another(&mut files);
             removed
         };
         let name = removed.plugin?;
@@ -284,6 +289,14 @@ impl Registry {
                 ..FileState::default()
             },
         );
+        if previous
+            .as_ref()
+            .and_then(|p| p.plugin.as_deref())
+            .is_some_and(|old| old != name)
+        {
+            // The file no longer provides its old plugin.
+            retry_refused_for_another(&mut files);
+        }
         self.active.rcu(|active| {
             let mut next = HashMap::clone(active);
             // The file may have switched to a different plugin name.
