@@ -587,6 +587,26 @@ async fn a_timer_batch_emits_about_one_calls_limit_at_most() {
     host.shutdown().await;
 }
 
+/// With `limits.max_emit_bytes_per_call` at 0 (no emits allowed), due timers still fire: a
+/// batch's bound on its emits stops it only after its first handler. Counted before it, it
+/// stopped every batch before its first timer, and the loop spun on empty batches.
+#[tokio::test]
+async fn timers_fire_where_no_emits_are_allowed() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.max_emit_bytes_per_call = 0).await;
+    sqlx::query(
+        "INSERT INTO obx.timer (plugin, name, key, due_at, payload) \
+         VALUES ('testbed', 't', 'k', clock_timestamp(), '{}')",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// Timer batches hold at most `consumer.batch_max_bytes` of payloads (the first timer
 /// always): with room for one large timer a batch, due timers still all fire, once each.
 #[tokio::test]
