@@ -614,6 +614,28 @@ async fn a_replay_through_the_api_answers_in_parts_within_the_request_timeout() 
     host.shutdown().await;
 }
 
+/// A replay compares against what the hosts recorded: against a database its hosts have
+/// not yet migrated to record anything (before migration 0017), it finds nothing to compare
+/// (it failed with Postgres's missing-column error). A host, which records, still fails.
+#[tokio::test]
+async fn a_replay_against_a_database_that_records_no_settings_yet_compares_nothing() {
+    use obx::db::installation::check_shared_kafka_settings;
+    let host = spawn_host(&[]).await;
+    let refused = check_shared_kafka_settings(&host.db, Some("murmur2"), "other.", false).await;
+    assert!(format!("{:#}", refused.unwrap_err()).contains("kafka.topic_prefix"));
+    // As before migration 0017.
+    sqlx::raw_sql("ALTER TABLE obx.installation DROP COLUMN kafka_partitioner, DROP COLUMN kafka_topic_prefix")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    check_shared_kafka_settings(&host.db, Some("murmur2"), "other.", false)
+        .await
+        .unwrap();
+    let recording = check_shared_kafka_settings(&host.db, Some("murmur2"), "other.", true).await;
+    assert!(format!("{:#}", recording.unwrap_err()).contains("recording"));
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn retention_deletes_old_published_rows_only() {
     let host = spawn_host(&["testbed"]).await;

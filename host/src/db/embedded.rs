@@ -323,15 +323,22 @@ fn postgres_user_if_root() -> Result<Option<(u32, u32)>> {
     if unsafe { libc::geteuid() } != 0 {
         return Ok(None);
     }
-    let name = std::ffi::CString::new("postgres").unwrap();
-    // SAFETY: getpwnam returns a pointer into static storage or null; we copy out at once.
-    let pw = unsafe { libc::getpwnam(name.as_ptr()) };
-    if pw.is_null() {
-        bail!("running as root, and there is no `postgres` user to run the server as");
+    // Looked up once: `getpwnam` parses each passwd entry into one static record, so a
+    // second thread's lookup (tests start clusters in parallel) could read another user's ids
+    // from it, and initdb then failed as that user.
+    static POSTGRES: std::sync::OnceLock<Option<(u32, u32)>> = std::sync::OnceLock::new();
+    let ids = *POSTGRES.get_or_init(|| {
+        let name = std::ffi::CString::new("postgres").unwrap();
+        // SAFETY: getpwnam returns a pointer into static storage or null; it is read at once,
+        // and only here, once.
+        let pw = unsafe { libc::getpwnam(name.as_ptr()) };
+        // SAFETY: pw, when non-null, points to a valid passwd record.
+        (!pw.is_null()).then(|| unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
+    });
+    match ids {
+        Some(ids) => Ok(Some(ids)),
+        None => bail!("running as root, and there is no `postgres` user to run the server as"),
     }
-    // SAFETY: pw is non-null and points to a valid passwd record.
-    let (uid, gid) = unsafe { ((*pw).pw_uid, (*pw).pw_gid) };
-    Ok(Some((uid, gid)))
 }
 
 fn chown(path: &Path, uid: u32, gid: u32) -> Result<()> {

@@ -76,36 +76,3 @@ pub async fn notify_channel(conn: &mut PgConnection) -> sqlx::Result<String> {
         .fetch_one(conn)
         .await
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::db::embedded::EmbeddedPostgres;
-
-    /// A replay compares against what the hosts recorded: against a database its hosts have
-    /// not yet migrated to record anything, it finds nothing to compare (it failed with
-    /// Postgres's missing-column error). A host, which records, still fails there.
-    #[tokio::test]
-    async fn a_replay_against_a_database_that_records_no_settings_yet_compares_nothing() {
-        let pg = EmbeddedPostgres::start(&[]).unwrap();
-        let pool = PgPool::connect(&pg.url("postgres")).await.unwrap();
-        crate::db::migrate(&pool).await.unwrap();
-        check_shared_kafka_settings(&pool, Some("murmur2"), "p.", true)
-            .await
-            .unwrap();
-        let refused = check_shared_kafka_settings(&pool, Some("murmur2"), "q.", false).await;
-        assert!(format!("{:#}", refused.unwrap_err()).contains("kafka.topic_prefix"));
-
-        // As before migration 0017.
-        sqlx::raw_sql("ALTER TABLE obx.installation DROP COLUMN kafka_partitioner, DROP COLUMN kafka_topic_prefix")
-            .execute(&pool)
-            .await
-            .unwrap();
-        check_shared_kafka_settings(&pool, Some("murmur2"), "q.", false)
-            .await
-            .unwrap();
-        let host = check_shared_kafka_settings(&pool, Some("murmur2"), "q.", true).await;
-        assert!(format!("{:#}", host.unwrap_err()).contains("recording"));
-        pool.close().await;
-    }
-}

@@ -50,6 +50,8 @@ struct Running {
 struct Restart {
     ended: u32,
     not_before: Instant,
+    /// The subscriptions it ended with: a version with others starts at once.
+    subscriptions: Vec<Subscription>,
 }
 
 impl Supervisor {
@@ -86,8 +88,6 @@ impl Supervisor {
             .map(|(name, _)| name.clone())
             .collect();
         for name in outdated {
-            // A new version with other subscriptions starts at once.
-            restarts.remove(&name);
             if let Some(consumer) = running.remove(&name) {
                 tracing::info!(plugin = %name, "stopping the consumer: the plugin's subscriptions changed or it was unloaded");
                 stop(consumer).await;
@@ -113,12 +113,14 @@ impl Supervisor {
                     Restart {
                         ended: ended_times,
                         not_before,
+                        subscriptions: r.subscriptions.clone(),
                     },
                 );
             }
             !ended
         });
-        restarts.retain(|name, _| wanted.contains_key(name));
+        // A plugin unloaded, or a version with other subscriptions, waits for nothing.
+        restarts.retain(|name, r| wanted.get(name) == Some(&r.subscriptions));
         for (name, subscriptions) in wanted {
             if running.contains_key(&name) || restarts.get(&name).is_some_and(|r| r.not_before > Instant::now()) {
                 continue;
