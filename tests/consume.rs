@@ -838,12 +838,7 @@ async fn a_batch_emits_about_one_calls_limit_at_most(logical: &str) {
     .await;
     // A batch's events are written by one statement at its commit, outside any savepoint:
     // at most three 400 KB emits (the third reaches the 1 MB limit) share a transaction.
-    let largest = host
-        .count(
-            "SELECT max(n) FROM (SELECT count(*) AS n FROM obx.outbox_event WHERE topic = 'testbed.alpha' \
-             GROUP BY xmin::text) batches",
-        )
-        .await;
+    let largest = host.largest_outbox_batch("testbed.alpha").await;
     assert!(
         largest <= 3,
         "{logical}: a batch committed {largest} events of 400 KB of emits each"

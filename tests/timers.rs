@@ -572,12 +572,7 @@ async fn a_timer_batch_emits_about_one_calls_limit_at_most() {
     .await;
     // A batch's events are written by one statement at its commit, outside the timers'
     // savepoints: at most three 400 KB emits (the third reaches the 1 MB limit) share one.
-    let largest = host
-        .count(
-            "SELECT max(n) FROM (SELECT count(*) AS n FROM obx.outbox_event WHERE topic = 'testbed.alpha' \
-             GROUP BY xmin::text) batches",
-        )
-        .await;
+    let largest = host.largest_outbox_batch("testbed.alpha").await;
     assert!(largest <= 3, "a batch fired {largest} timers of 400 KB of emits each");
     assert_eq!(
         host.count("SELECT count(*) FROM obx.outbox_event WHERE topic = 'testbed.alpha'")

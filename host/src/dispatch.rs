@@ -240,12 +240,14 @@ impl Dispatcher {
         }
     }
 
-    /// What a batch of handlers (events or timers) may emit before it stops starting more:
-    /// one call's limit, `limits.max_emit_bytes_per_call`. A batch holds its events until its
-    /// commit, written in one statement, so with no bound of its own 32 timers of 16 MiB of
-    /// emits each held 512 MiB, and a statement past Postgres's 1 GiB could never commit.
-    pub(crate) fn batch_emit_bytes(&self) -> usize {
-        self.runtime.limits().max_emit_bytes_per_call
+    /// Whether a batch of handlers (events or timers) whose emits so far hold `emitted_bytes`
+    /// starts no more: they reached one call's limit, `limits.max_emit_bytes_per_call`. A batch
+    /// holds its events until its commit, written in one statement, so with no bound of its
+    /// own 32 timers of 16 MiB of emits each held 512 MiB, and a statement past Postgres's
+    /// 1 GiB could never commit. Never before the batch's first handler: a limit of 0 refuses
+    /// every emit, and counted before it, stopped every batch empty.
+    pub(crate) fn batch_emitted_enough(&self, emitted_bytes: usize) -> bool {
+        emitted_bytes > 0 && emitted_bytes >= self.runtime.limits().max_emit_bytes_per_call
     }
 
     /// Runs one command in one transaction.

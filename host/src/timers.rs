@@ -318,10 +318,9 @@ impl TimerService {
         let mut done = Vec::with_capacity(due.len());
         let (mut busy, mut ran, mut emitted_bytes) = (false, 0, 0);
         for (at, due) in due.into_iter().enumerate() {
-            // Past its time, once its emits reach one call's limit (never before its first:
-            // a limit of 0 refuses every emit), or at shutdown.
+            // Past its time, once its emits reach one call's limit, or at shutdown.
             if started.elapsed() > BATCH_BUDGET
-                || (emitted_bytes > 0 && emitted_bytes >= self.dispatcher.batch_emit_bytes())
+                || self.dispatcher.batch_emitted_enough(emitted_bytes)
                 || *self.shutdown.borrow()
             {
                 // The rest stay due; the commit below releases their rows.

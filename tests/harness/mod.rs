@@ -536,6 +536,19 @@ impl TestHost {
         .await
     }
 
+    /// The most outbox rows of `topic` one transaction wrote (rows keep the id of the
+    /// transaction that wrote them until the relay marks them: for hosts with the relay off).
+    pub async fn largest_outbox_batch(&self, topic: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT max(n) FROM (SELECT count(*) AS n FROM obx.outbox_event WHERE topic = $1 \
+             GROUP BY xmin::text) batches",
+        )
+        .bind(topic)
+        .fetch_one(&self.db)
+        .await
+        .unwrap()
+    }
+
     /// A single number from the host's database.
     pub async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql)

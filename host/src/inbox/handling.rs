@@ -165,9 +165,8 @@ pub(crate) async fn run(
     let mut first_returned: Option<Instant> = None;
     for (at, job) in jobs.iter().enumerate() {
         // Past its time, or once its emits reach one call's limit, the run ends with the
-        // events it has done (never before its first: a limit of 0 refuses every emit).
-        let emitted_enough = emitted_bytes > 0 && emitted_bytes >= dispatcher.batch_emit_bytes();
-        if first_returned.is_some_and(|t| t.elapsed() >= RUN_BUDGET) || emitted_enough {
+        // events it has done.
+        if first_returned.is_some_and(|t| t.elapsed() >= RUN_BUDGET) || dispatcher.batch_emitted_enough(emitted_bytes) {
             break;
         }
         let contracts = &plugin.identity.contracts;

@@ -219,6 +219,20 @@ impl Manifest {
 }
 
 impl Manifest {
+    /// A manifest of `name` at version 1 that declares nothing (for tests).
+    #[cfg(test)]
+    pub(crate) fn empty(name: &str) -> Manifest {
+        Manifest {
+            name: name.into(),
+            version: "1".into(),
+            commands: vec![],
+            subscriptions: vec![],
+            emits: vec![],
+            migrations: vec![],
+            payloads: vec![],
+        }
+    }
+
     /// Whether a subscription takes `event_type` on `topic`.
     pub fn consumes(&self, topic: &str, event_type: &str) -> bool {
         self.subscriptions

@@ -653,15 +653,7 @@ mod tests {
     /// byte bound.
     #[test]
     fn the_verdict_cache_is_bounded_in_bytes() {
-        let manifest = Manifest {
-            name: "p".into(),
-            version: "1".into(),
-            commands: vec![],
-            subscriptions: vec![],
-            emits: vec![],
-            migrations: vec![],
-            payloads: vec![],
-        };
+        let manifest = Manifest::empty("p");
         let identity = PluginIdentity::new(&manifest, Default::default(), false);
         let limits = Limits::default();
         let columns = vec!["1"; 20_000].join(", ");

@@ -90,15 +90,7 @@ mod tests {
     /// string held 32 GiB.
     #[test]
     fn a_declaration_of_a_huge_topic_or_event_type_is_refused_and_not_kept() {
-        let manifest = Manifest {
-            name: "p".into(),
-            version: "1".into(),
-            commands: vec![],
-            subscriptions: vec![],
-            emits: vec![],
-            migrations: vec![],
-            payloads: vec![],
-        };
+        let manifest = Manifest::empty("p");
         let identity = Arc::new(PluginIdentity::new(&manifest, Default::default(), false));
         let mut state = CallState::new(
             identity,
