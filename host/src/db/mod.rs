@@ -422,3 +422,56 @@ pub(crate) async fn ddl(conn: &mut sqlx::PgConnection, sql: &str) -> Result<()> 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"))
 }
+
+#[cfg(test)]
+mod tests {
+    /// The checksum of every landed migration. sqlx refuses to migrate a database where a
+    /// migration ran whose file has changed since ("previously applied but has been
+    /// modified"), so a host with an edited migration would not start against any database
+    /// of an earlier version. A change goes in a new migration; a new one is pinned here
+    /// when it lands. The first 16 bytes of each SHA-384 are enough to see a change.
+    const LANDED: &[(i64, &str)] = &[
+        (1, "fe1d447c306800f57b306e1a76752111"),
+        (2, "192f73b52f4b050556125a8cd6186a6f"),
+        (3, "72e544993ff36296e4ac00faab1f8458"),
+        (4, "57e5178f0709d7c741fbc9fd41cceb18"),
+        (5, "bbaf414bfaf559e028b33447ff156452"),
+        (6, "f265764f4e1f7a9dacdda7f5a2188251"),
+        (7, "e4c9ff6cb2dfc2a879ae311d5d0e5153"),
+        (8, "6e7d0b24c95f059bb41b336160b22ee5"),
+        (9, "0b52c3d72bf029bacff84322978a9b1b"),
+        (10, "34f1d6a33b6d22aab3593a2281944031"),
+        (11, "c0c849645b745c2759336ac38fbcfd2c"),
+        (12, "9c5bff2fa5c42db5d5f400ac60d56b3a"),
+        (13, "863e697cb8b592d50f163b8e73ade8a7"),
+        (14, "58515d2f58e7dd41d0970e6e5eedc75a"),
+        (15, "4c4e6ebe593ab5325645c9bef6526c80"),
+        (16, "60f8f27579b7d7e93e2b8d451cb104cf"),
+        (17, "08eb940bb37ff357c5c8c998e1f30a56"),
+        (18, "03e41642842c0598b1dfc03ea5bd3277"),
+        (19, "0bbdf00c99be45fd4c7389e121e43e5a"),
+        (20, "90095d4f1c9bb0149b3b3fa90f932439"),
+    ];
+
+    #[test]
+    fn a_landed_migration_never_changes() {
+        let migrator = super::migrator();
+        for m in migrator.iter() {
+            let found = hex::encode(&m.checksum[..16]);
+            match LANDED.iter().find(|(v, _)| *v == m.version) {
+                Some((_, pinned)) => assert_eq!(
+                    found, *pinned,
+                    "migration {} ({}) changed after it landed: databases that ran it would \
+                     refuse this host; put the change in a new migration",
+                    m.version, m.description
+                ),
+                None => panic!(
+                    "migration {} ({}) is not pinned: add ({}, \"{found}\") to LANDED",
+                    m.version, m.description, m.version
+                ),
+            }
+        }
+        let count = migrator.iter().count();
+        assert_eq!(count, LANDED.len(), "a pinned migration is gone");
+    }
+}
