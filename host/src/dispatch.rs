@@ -456,9 +456,8 @@ impl Dispatcher {
                 // Lost to another transaction before the COMMIT: undone, and a retry may pass.
                 (false, Some(_)) if crate::db::lost_a_race(&e) => db_error(e),
                 // No answer from Postgres, or the server or the connection failed in the
-                // commit's round trip (a shutdown, a terminated backend), which may have been
-                // after the COMMIT: the statements that clear the session follow it in the
-                // same message. The commit may have gone through.
+                // commit's round trip (a shutdown, a terminated backend) with no word of
+                // whether the COMMIT completed. The commit may have gone through.
                 (false, _) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
             })?;
         if !events.is_empty() {

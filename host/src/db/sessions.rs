@@ -239,6 +239,7 @@ impl Sessions {
                         host: self.host.clone(),
                         poisoned: false,
                         at_commit: String::new(),
+                        at_commit_statements: 0,
                         commit_within,
                     };
                     return Ok((tx, rows));
@@ -357,15 +358,19 @@ pub struct PluginTx {
     poisoned: bool,
     /// Host statements to run at the commit, in its round trip ([`PluginTx::write_at_commit`]).
     at_commit: String,
+    /// How many statements `at_commit` holds: the `COMMIT` is the one after them and the check.
+    at_commit_statements: usize,
     /// The longest the commit's round trip may take ([`Login::commit_within`]).
     commit_within: Duration,
 }
 
 impl PluginTx {
-    /// Commits and clears the session. On an error from Postgres nothing was committed (the
-    /// commit is the last statement), and the session is closed. On any other error (the
-    /// connection failed, or the round trip ran past [`Login::commit_within`] and the host
-    /// ended the backend) the commit may have gone through.
+    /// Commits and clears the session. An error Postgres sends after the `COMMIT` completed
+    /// leaves it standing: `Ok`, and the session is closed. On an error before that, the
+    /// session is closed, and nothing was committed if the error was the statement's own;
+    /// if the server or the connection failed (a shutdown, a terminated backend, or the round
+    /// trip ran past [`Login::commit_within`] and the host ended the backend), the commit may
+    /// have gone through.
     pub async fn commit(mut self) -> sqlx::Result<()> {
         if self.poisoned {
             return Err(sqlx::Error::Protocol("the plugin session was abandoned".into()));
@@ -379,10 +384,11 @@ impl PluginTx {
         self.commit_within = d;
     }
 
-    /// Has the commit run `statement` (host SQL, as text: see [`crate::db::literal`]) just
-    /// before its `COMMIT`, in the same round trip, after those given before it. A statement
-    /// that fails fails the commit. A rollback drops them unrun.
+    /// Has the commit run `statement` (one statement of host SQL, as text: see
+    /// [`crate::db::literal`]) just before its `COMMIT`, in the same round trip, after those
+    /// given before it. A statement that fails fails the commit. A rollback drops them unrun.
     pub fn write_at_commit(&mut self, mut statement: String) {
+        self.at_commit_statements += 1;
         statement.push_str("; ");
         if self.at_commit.is_empty() {
             // The common case, one statement: kept as it is, not copied.
@@ -404,18 +410,19 @@ impl PluginTx {
     /// rollback, so that what plugin code did during a commit is cleared too. Before a
     /// commit, [`CHECK`] reads whether the plugin ended the host's transaction itself; if it
     /// did, the session is closed even when the commit went through. The statements given to
-    /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. (An error after a
-    /// `COMMIT` that went through reads as a failed commit: a plugin that changed its own
-    /// session's settings can cause one, to its own call; the server can too, as a shutdown
-    /// or a terminated backend, which the command path answers as an unknown outcome.)
+    /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. An error after
+    /// the `COMMIT` completed (a cancel a sibling session of the plugin sent, a statement
+    /// timeout the plugin set, a shutdown in the clearing) leaves the commit standing: the
+    /// session is closed, and the commit is answered as done.
     async fn finish(&mut self, commit: bool) -> sqlx::Result<()> {
         let conn = self.conn.as_mut().expect("open until consumed");
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
             let sent = Instant::now();
             let sql = format!("{CHECK}; {at_commit}COMMIT; {CLEAR}");
-            let round_trip = (&mut **conn).fetch_all(sql.as_str());
-            let Ok(rows) = tokio::time::timeout(self.commit_within, round_trip).await else {
+            let before_commit = 1 + std::mem::take(&mut self.at_commit_statements);
+            let round_trip = commit_round_trip(conn, &sql, before_commit);
+            let Ok(reply) = tokio::time::timeout(self.commit_within, round_trip).await else {
                 // Plugin code at the commit (a deferred trigger) that runs on: `Drop` ends the
                 // backend, which undoes the transaction unless its commit record was written.
                 self.poisoned = true;
@@ -425,11 +432,16 @@ impl PluginTx {
                     format!("the commit ran past {:?}; its session was ended", self.commit_within),
                 )));
             };
-            warn_if_slow(&self.role, "commit", sent, rows.is_ok());
-            let rows = rows?;
-            let started: i64 = rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
-            if started != self.started {
+            warn_if_slow(&self.role, "commit", sent, reply.is_ok());
+            let reply = reply?;
+            if reply.started != Some(self.started) {
                 tampered(&self.role, "the plugin ended the host's transaction itself");
+                // `Drop` closes it.
+                return Ok(());
+            }
+            if let Some(e) = reply.after_commit {
+                let role = &*self.role;
+                tracing::warn!(role, error = %e, "a plugin session failed after its commit, which stands; the session is closed");
                 // `Drop` closes it.
                 return Ok(());
             }
@@ -457,6 +469,44 @@ impl PluginTx {
     pub fn abandon(mut self) {
         self.poisoned = true;
     }
+}
+
+/// What a commit's round trip came to, once its `COMMIT` completed.
+struct CommitReply {
+    /// The first column of the first row: the check's reading of when the transaction began.
+    started: Option<i64>,
+    /// An error from a statement after the `COMMIT` (the clearing).
+    after_commit: Option<sqlx::Error>,
+}
+
+/// Runs `sql` (statements in one simple query, the `COMMIT` the one after the first
+/// `before_commit`) and tells whether its `COMMIT` completed: each statement that completes
+/// sends its own completion, so an error after `before_commit + 1` of them came after the
+/// commit. An error at or before the `COMMIT` is returned: nothing was committed.
+async fn commit_round_trip(conn: &mut PgConnection, sql: &str, before_commit: usize) -> sqlx::Result<CommitReply> {
+    use futures::StreamExt;
+    let mut results = conn.fetch_many(sql);
+    let (mut started, mut completed) = (None, 0);
+    while let Some(item) = results.next().await {
+        match item {
+            Ok(sqlx::Either::Left(_)) => completed += 1,
+            Ok(sqlx::Either::Right(row)) if completed == 0 && started.is_none() => {
+                started = Some(row.try_get(0)?);
+            }
+            Ok(sqlx::Either::Right(_)) => {}
+            Err(e) if completed > before_commit => {
+                return Ok(CommitReply {
+                    started,
+                    after_commit: Some(e),
+                });
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(CommitReply {
+        started,
+        after_commit: None,
+    })
 }
 
 /// Reports a session a plugin tampered with (`how`): it is closed, never reused.
@@ -504,5 +554,57 @@ impl Drop for PluginTx {
         // statement (a caller cut off by its own deadline), which a closed socket stops only
         // as soon as the backend checks, on a setting the plugin may have changed: ended.
         terminate(conn, self.pid, self.role.clone(), self.host.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::{Connection, Executor, PgConnection};
+
+    use super::commit_round_trip;
+    use crate::db::embedded::EmbeddedPostgres;
+
+    async fn rows(conn: &mut PgConnection) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM t")
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    }
+
+    /// A transaction's commit round trip: the check's row, `before`, the `COMMIT`, then two
+    /// statements that clear, the second `after`.
+    async fn commit(conn: &mut PgConnection, before: &str, after: &str) -> sqlx::Result<super::CommitReply> {
+        conn.execute("BEGIN").await.unwrap();
+        let sql = format!("SELECT 42::int8; {before}; COMMIT; SELECT 1; {after}");
+        commit_round_trip(conn, &sql, 2).await
+    }
+
+    /// The commit's round trip tells an error after its `COMMIT` (which stands) from one at
+    /// or before it (nothing committed), by the statements that completed before the error.
+    #[tokio::test]
+    async fn an_error_after_the_commit_leaves_it_standing_and_one_before_it_does_not() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let mut conn = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+        conn.execute("CREATE TABLE t (n int)").await.unwrap();
+        let (write, fail) = ("INSERT INTO t VALUES (1)", "SELECT 1/0");
+
+        let reply = commit(&mut conn, write, "SELECT 2").await.unwrap();
+        assert_eq!(reply.started, Some(42));
+        assert!(reply.after_commit.is_none());
+        assert_eq!(rows(&mut conn).await, 1);
+
+        let reply = commit(&mut conn, write, fail).await.unwrap();
+        assert_eq!(reply.started, Some(42));
+        let e = reply.after_commit.expect("the error after the commit");
+        assert!(e.to_string().contains("division by zero"), "{e}");
+        assert_eq!(rows(&mut conn).await, 2, "the commit stands");
+
+        let e = commit(&mut conn, fail, "SELECT 2")
+            .await
+            .err()
+            .expect("a failed commit");
+        assert!(e.to_string().contains("division by zero"), "{e}");
+        conn.execute("ROLLBACK").await.unwrap();
+        assert_eq!(rows(&mut conn).await, 2, "nothing committed");
     }
 }
