@@ -1516,6 +1516,36 @@ async fn consumption_retention_keeps_unprocessed_rows() {
     host.shutdown().await;
 }
 
+/// The retention job's deletes, and the deletes of dead letters they cascade to, find their
+/// rows by an index: a scan of a whole table per batch (or, for the cascade, per deleted
+/// row) holds back vacuum for as long as it runs. Read from the plans, with sequential scans
+/// priced out, so that any one left shows.
+#[tokio::test]
+async fn every_retention_delete_is_served_by_an_index() {
+    let host = spawn_host(&[]).await;
+    let mut conn = host.db.acquire().await.unwrap();
+    sqlx::Executor::execute(&mut *conn, "SET enable_seqscan = off")
+        .await
+        .unwrap();
+    let cascade = (
+        "dead_letter cascade",
+        "DELETE FROM ONLY obx.dead_letter WHERE $1 = consumer AND $2 = event_id".to_string(),
+    );
+    for (name, sql) in obx::retention::delete_statements().chain([cascade]) {
+        let explain = format!("EXPLAIN {sql}");
+        let query = sqlx::query_scalar::<_, String>(&explain);
+        let query = if name == "dead_letter cascade" {
+            query.bind("c").bind(uuid::Uuid::nil())
+        } else {
+            query.bind(3600.0_f64).bind(100_i64)
+        };
+        let plan = query.fetch_all(&mut *conn).await.unwrap().join("\n");
+        assert!(!plan.contains("Seq Scan"), "{name}: {plan}");
+    }
+    drop(conn);
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn events_from_a_kafkajs_producer_following_the_seed_are_consumed() {
     let host = spawn_host(&["testbed"]).await;

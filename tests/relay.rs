@@ -651,11 +651,14 @@ async fn retention_deletes_old_published_rows_only() {
     // Stop the host (and its relay), keep its database.
     let TestHost { host: h, db, .. } = host;
     h.shutdown().await.unwrap();
-    // Age twenty of them; keep one of those unpublished.
+    // Age twenty of them; keep one of those unpublished, and publish another only now (after
+    // an outage of eight days, say).
     sqlx::raw_sql(
-        "UPDATE obx.outbox_event SET created_at = now() - interval '8 days' WHERE id IN \
+        "UPDATE obx.outbox_event SET created_at = now() - interval '8 days', \
+           published_at = now() - interval '8 days' WHERE id IN \
            (SELECT id FROM obx.outbox_event ORDER BY id LIMIT 20); \
-         UPDATE obx.outbox_event SET published_at = NULL WHERE id = (SELECT min(id) FROM obx.outbox_event)",
+         UPDATE obx.outbox_event SET published_at = NULL WHERE id = (SELECT min(id) FROM obx.outbox_event); \
+         UPDATE obx.outbox_event SET published_at = now() WHERE id = (SELECT min(id) + 1 FROM obx.outbox_event)",
     )
     .execute(&db)
     .await
@@ -665,12 +668,15 @@ async fn retention_deletes_old_published_rows_only() {
         ..Default::default()
     };
     let deleted = obx::retention::outbox(&db, &config).await.unwrap();
-    assert_eq!(deleted, 19, "old published rows, in batches of 7");
+    assert_eq!(deleted, 18, "rows published long ago, in batches of 7");
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM obx.outbox_event")
         .fetch_one(&db)
         .await
         .unwrap();
-    assert_eq!(left, 11, "the unpublished old row and the ten young ones stay");
+    assert_eq!(
+        left, 12,
+        "the unpublished old row, the one published late, and the ten young ones stay"
+    );
 }
 
 fn which(name: &str) -> Result<std::path::PathBuf, ()> {
