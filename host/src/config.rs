@@ -905,6 +905,24 @@ impl Config {
             if token.expose().len() < 16 {
                 return invalid("http.auth", "every token must be at least 16 characters");
             }
+            // What an `Authorization: Bearer` header can carry as it is read (trimmed): a token
+            // with a space, a control or a non-ASCII character would be refused every time.
+            if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
+                return invalid(
+                    "http.auth",
+                    "every token must be printable ASCII, without spaces (a file: or env: secret with a trailing space?)",
+                );
+            }
+        }
+        if auth
+            .command_tokens
+            .iter()
+            .any(|c| auth.admin_tokens.iter().any(|a| a.expose() == c.expose()))
+        {
+            return invalid(
+                "http.auth.admin_tokens",
+                "a token may not be in both lists: each token has one scope, and an admin token is refused for commands",
+            );
         }
         if self.http.shutdown_timeout.is_zero() {
             return invalid("http.shutdown_timeout", "must be greater than 0");
@@ -1082,6 +1100,12 @@ impl Config {
         if l.lock_timeout.is_zero() {
             return invalid("limits.lock_timeout", "must be greater than 0 (0 would disable it)");
         }
+        if l.lock_timeout >= l.statement_timeout {
+            // A call waiting for an Idempotency-Key another call holds is answered 409
+            // `idempotency_key_in_use` when its lock wait ends; a statement timeout first would
+            // answer it 503, as if the database were down.
+            return invalid("limits.lock_timeout", "must be shorter than limits.statement_timeout");
+        }
         Ok(())
     }
 }
@@ -1258,6 +1282,26 @@ mod tests {
                 "http.auth.admin_tokens",
             ),
             ("short token", "[http.auth]\nadmin_tokens = [\"short\"]", "http.auth"),
+            (
+                "a token no header can carry",
+                "[http.auth]\nadmin_tokens = [\"0123456789abcdef 0123\"]",
+                "http.auth",
+            ),
+            (
+                "a non-ASCII token",
+                "[http.auth]\nadmin_tokens = [\"ünïcödé-token-0123456789\"]",
+                "http.auth",
+            ),
+            (
+                "a token in both scopes",
+                "[http.auth]\ncommand_tokens = [\"0123456789abcdef0123\"]\nadmin_tokens = [\"0123456789abcdef0123\"]",
+                "http.auth.admin_tokens",
+            ),
+            (
+                "a lock wait that outlasts the statement",
+                "[limits]\nlock_timeout = \"2s\"",
+                "limits.lock_timeout",
+            ),
             (
                 "secret file missing",
                 "[http.auth]\nadmin_tokens = [\"file:/nonexistent/obx-token\"]",
