@@ -1114,6 +1114,56 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
     host.shutdown().await;
 }
 
+/// `pg_terminate_backend` needs the privileges of the plugin's role, which rest on the host's
+/// membership in it. On some Postgres versions (before 16, where a role counted as its own
+/// admin while it was its session's user) a plugin's session could revoke it, and then hold
+/// the relay's locks for good. The host grants it again, in the transaction that ends the
+/// session. The plugin tries first; where the server refuses (as 15.x here does), the
+/// revoke is done as a superuser, as the plugin could have.
+#[tokio::test]
+async fn a_plugin_that_revokes_the_hosts_membership_in_its_role_is_still_ended() {
+    let host = spawn_host(&["testbed"]).await;
+    let mut s = host.plugin_session("testbed").await;
+    let me: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&mut s)
+        .await
+        .unwrap();
+    let revoke = format!("REVOKE \"{me}\" FROM {HOST_USER}");
+    if let Err(e) = sqlx::query(&revoke).execute(&mut s).await {
+        eprintln!("the plugin's own revoke was refused: {e}");
+        let mut admin = PgConnection::connect(&admin_url()).await.unwrap();
+        sqlx::query(&revoke).execute(&mut admin).await.unwrap();
+    }
+    let member = || async {
+        sqlx::query_scalar::<_, bool>("SELECT pg_has_role(current_user, $1, 'USAGE')")
+            .bind(&me)
+            .fetch_one(&host.db)
+            .await
+            .unwrap()
+    };
+    assert!(!member().await, "revoked");
+    // Member locks of the relay's, which no relay holds (see the test above).
+    let space = relay_lock_space(&mut s).await;
+    let taken = sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
+        .bind(space)
+        .execute(&mut s)
+        .await;
+    ended_already_or_ok(taken);
+    assert_session_ends(&mut s).await;
+    assert!(member().await, "the host's membership in the plugin's role is back");
+    let a = host
+        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    eventually(Duration::from_secs(20), "the event is published", || async {
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// The relay ends plugin sessions that hold its locks, but never another application's: a
 /// superuser host is a member of every role, so neither membership nor a name like a
 /// plugin role's makes a plugin.

@@ -58,18 +58,11 @@ pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: 
         )
         .await?;
     }
-    // The host needs the role's privileges (USAGE: membership that inherits), not only a
-    // membership, to create the plugin's schema for it and to end its sessions
-    // (`pg_terminate_backend` checks them). On Postgres 16 and later, the membership a
-    // CREATEROLE user gets in the roles it creates inherits nothing; the grant below, the
-    // host's own, does. The plugin's role is a member of nothing.
-    let usage: bool = sqlx::query_scalar("SELECT pg_has_role(current_user, $1, 'USAGE')")
-        .bind(role)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !usage {
-        ddl(conn, &format!("GRANT \"{role}\" TO CURRENT_USER")).await?;
-    }
+    // The host needs the role's privileges, not only a membership. The plugin's role is a
+    // member of nothing.
+    super::reclaim_privileges(conn, &[role.to_string()])
+        .await
+        .with_context(|| format!("granting the host the privileges of {role}"))?;
     Ok(password)
 }
 

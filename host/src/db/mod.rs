@@ -278,25 +278,81 @@ async fn evict_migration_lock_holders(conn: &mut sqlx::PgConnection) -> Result<(
 /// `lock` (a condition on `pg_locks l`, with `keys` as `$1`), and names their roles. A plugin
 /// session is one of a role this installation made for a plugin (`obx.plugin_credential`),
 /// not merely one the host is a member of: a superuser host is a member of every role, and
-/// another host of another service may run as an `obx_…` user. The host must also have the
-/// role's privileges, which `pg_terminate_backend` needs (it raises an error otherwise).
+/// another host of another service may run as an `obx_…` user. One statement when no plugin
+/// session holds such a lock, as at nearly every step.
 pub(crate) async fn terminate_plugin_holders(
     conn: &mut sqlx::PgConnection,
     lock: &str,
     keys: &[i64],
 ) -> sqlx::Result<Vec<String>> {
     let sql = format!(
-        // Materialized first, so that nothing but a plugin session can reach the terminate call.
-        "WITH holders AS MATERIALIZED ( \
-             SELECT DISTINCT a.pid, a.usename::text AS role \
-             FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND ({lock}) \
-               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-               AND a.usename IN (SELECT c.role_name FROM obx.plugin_credential c) \
-               AND pg_catalog.pg_has_role(current_user, a.usename, 'USAGE')) \
-         SELECT role FROM holders WHERE pg_catalog.pg_terminate_backend(pid)"
+        "SELECT DISTINCT a.pid, a.usename::text \
+         FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND ({lock}) \
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+           AND a.usename IN (SELECT c.role_name FROM obx.plugin_credential c)"
     );
-    sqlx::query_scalar(&sql).bind(keys).fetch_all(conn).await
+    let holders: Vec<(i32, String)> = sqlx::query_as(&sql).bind(keys).fetch_all(&mut *conn).await?;
+    if holders.is_empty() {
+        return Ok(Vec::new());
+    }
+    end_plugin_backends(conn, &holders).await
+}
+
+/// Ends the backends of plugin sessions (`pid`, role), each only if it is still a session of
+/// that role (a pid may have gone to another backend since), and names the roles of those
+/// ended. `pg_terminate_backend` needs the role's privileges, which a plugin can take from the
+/// host ([`reclaim_privileges`]): they are granted again first, in the same transaction, where
+/// the plugin cannot revoke them before the sessions end.
+pub(crate) async fn end_plugin_backends(
+    conn: &mut sqlx::PgConnection,
+    sessions: &[(i32, String)],
+) -> sqlx::Result<Vec<String>> {
+    use sqlx::Connection;
+    let (pids, mut roles): (Vec<i32>, Vec<String>) = sessions.iter().cloned().unzip();
+    roles.sort();
+    roles.dedup();
+    let mut tx = conn.begin().await?;
+    for role in reclaim_privileges(&mut tx, &roles).await? {
+        tracing::warn!(
+            role,
+            "the host had lost its membership in a plugin's role; it is granted again"
+        );
+    }
+    // Materialized first, so that nothing but a plugin session can reach the terminate call.
+    let ended = sqlx::query_scalar(
+        "WITH s AS MATERIALIZED ( \
+             SELECT a.pid, a.usename::text AS role FROM pg_catalog.pg_stat_activity a \
+             JOIN unnest($1::int4[], $2::text[]) AS w(pid, role) ON a.pid = w.pid AND a.usename = w.role) \
+         SELECT role FROM s WHERE pg_catalog.pg_terminate_backend(pid)",
+    )
+    .bind(&pids)
+    .bind(sessions.iter().map(|(_, r)| r.as_str()).collect::<Vec<_>>())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(ended)
+}
+
+/// Grants the host each of `roles` it has not the privileges of (USAGE: a membership that
+/// inherits), and names those granted. The host needs them to create a plugin's schema for it
+/// and to end its sessions. On Postgres 15 and older a role may revoke membership in itself
+/// while it is its session's user, as a plugin's session always is
+/// (`tests/confinement.rs` `a_plugin_that_revokes_the_hosts_membership_in_its_role_is_still_ended`);
+/// on 16 and later, the membership a CREATEROLE user gets in the roles it creates inherits
+/// nothing. Names were validated as `[a-z][a-z0-9_]*` (role names the host made).
+pub(crate) async fn reclaim_privileges(conn: &mut sqlx::PgConnection, roles: &[String]) -> sqlx::Result<Vec<String>> {
+    let lost: Vec<String> = sqlx::query_scalar(
+        "SELECT r FROM unnest($1::text[]) AS r WHERE NOT pg_catalog.pg_has_role(current_user, r, 'USAGE')",
+    )
+    .bind(roles)
+    .fetch_all(&mut *conn)
+    .await?;
+    for role in &lost {
+        let grant = format!("GRANT \"{}\" TO CURRENT_USER", role.replace('"', "\"\""));
+        sqlx::query(&grant).persistent(false).execute(&mut *conn).await?;
+    }
+    Ok(lost)
 }
 
 /// The key of sqlx's migration lock on `database` (sqlx's `generate_lock_id`: a CRC-32 of the

@@ -521,14 +521,15 @@ fn terminate(mut conn: PoolConnection<Postgres>, pid: i32, role: Arc<str>, host:
     drop(conn);
     tokio::spawn(async move {
         // Only a session of this plugin: the pid may already belong to another backend.
-        let _ = sqlx::query(
-            "SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_catalog.pg_stat_activity \
-             WHERE pid = $1 AND usename = $2",
-        )
-        .bind(pid)
-        .bind(&*role)
-        .execute(&host)
-        .await;
+        let ended = match host.acquire().await {
+            Ok(mut conn) => super::end_plugin_backends(&mut conn, &[(pid, role.to_string())]).await,
+            Err(e) => Err(e),
+        };
+        match ended {
+            // A closed pool: the host is stopping, and Postgres ends the backend with its socket.
+            Ok(_) | Err(sqlx::Error::PoolClosed) => {}
+            Err(e) => tracing::warn!(role = &*role, pid, error = %e, "ending an abandoned plugin session failed"),
+        }
     });
 }
 
