@@ -521,6 +521,29 @@ async fn a_host_whose_user_is_named_obx_restarts() {
     }
 }
 
+/// A prepared transaction outlives its session, with its locks: a plugin could leave one
+/// holding the relay's, which only its owner or a superuser can end. A host refuses to
+/// start on a server that allows them, and says why.
+#[tokio::test]
+async fn a_host_refuses_a_server_that_allows_prepared_transactions() {
+    let pg = tokio::task::spawn_blocking(|| {
+        obx::db::embedded::EmbeddedPostgres::start(&[("max_prepared_transactions", "2")])
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let url = obx::db::embedded::create_owner(&pg.url("postgres"), "obx", "obx-user-password", "obx")
+        .await
+        .unwrap();
+    let plugins = tempfile::tempdir().unwrap();
+    let e = obx::app::start(test_config(&url, plugins.path()))
+        .await
+        .err()
+        .expect("the host refused the server")
+        .to_string();
+    assert!(e.contains("max_prepared_transactions = 2"), "{e}");
+}
+
 /// A host starts on a database that a newer host of the service has migrated further (a
 /// rolling upgrade, with this host restarted meanwhile): the newer migrations keep the previous
 /// version working. sqlx refused it before ("migration 9999 was previously applied but is

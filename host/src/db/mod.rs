@@ -435,6 +435,25 @@ async fn adopt_legacy_history(conn: &mut sqlx::PgConnection) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a server that allows prepared transactions (`max_prepared_transactions` above 0).
+/// A prepared transaction outlives its session and keeps its locks and its snapshot: a
+/// plugin's SQL (past the SQL policy, which refuses transaction control) could prepare one
+/// holding the relay's locks, which no session holds then and only its owner or a superuser
+/// can end, halting publishing for every plugin and vacuum for the whole server.
+pub async fn refuse_prepared_transactions(pool: &PgPool) -> Result<()> {
+    let allowed: String = sqlx::query_scalar("SELECT pg_catalog.current_setting('max_prepared_transactions')")
+        .fetch_one(pool)
+        .await?;
+    if allowed != "0" {
+        anyhow::bail!(
+            "the Postgres server allows prepared transactions (max_prepared_transactions = {allowed}): a plugin \
+             could leave one behind holding the host's locks, which the host cannot end; set \
+             max_prepared_transactions = 0 on the server (it is the default), or give OBX a server of its own"
+        );
+    }
+    Ok(())
+}
+
 /// Temporary tables are searched before a session's own schema, and outlive a transaction:
 /// plugin roles must not be able to create them. Only the database's owner can revoke the
 /// right from `PUBLIC`; otherwise say what the operator should do.
