@@ -6,7 +6,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::{obx, plugin, serve, stop, wait_ready, Served};
+use common::{obx, plugin, serve, serve_adjusted, stop, wait_ready, Served};
 
 fn check(file: &Path) -> (bool, String, String) {
     let out = obx().args(["plugin", "check"]).arg(file).output().unwrap();
@@ -187,6 +187,45 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
         !log.contains('\x1b'),
         "a log written to a pipe has colour codes:\n{log}"
     );
+}
+
+/// With the usual soft open-files limit, idle HTTP peers could take every descriptor and leave
+/// none for Postgres. `obx serve` raises its soft limit to the hard one, and lowers
+/// `http.max_connections` (1,024 by default) below that, with a warning, where it does not fit.
+#[test]
+fn serve_raises_its_open_files_limit_and_fits_its_connections_under_it() {
+    use std::os::unix::process::CommandExt;
+    let Served {
+        mut child,
+        log,
+        base,
+        _plugins,
+    } = serve_adjusted(&[], tempfile::tempdir().unwrap(), &[], |command| {
+        // SAFETY: setrlimit is async-signal-safe and touches only the struct given.
+        unsafe {
+            command.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 256,
+                    rlim_max: 800,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(wait_ready(&reqwest::Client::new(), &base, Duration::from_secs(60)));
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.0.id())).unwrap();
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let figures: Vec<&str> = open_files.split_whitespace().skip(3).take(2).collect();
+    assert_eq!(figures, ["800", "800"], "{open_files}");
+    let status = stop(&mut child);
+    let log = log.join().unwrap().join("\n");
+    assert!(status.success(), "exit status {status}; log:\n{log}");
+    assert!(log.contains("http.max_connections is more than"), "{log}");
+    assert!(log.contains("cap=272"), "{log}");
 }
 
 #[test]

@@ -9,6 +9,7 @@ mod admin;
 mod auth;
 mod commands;
 mod deadline;
+pub mod descriptors;
 mod errors;
 mod local;
 pub mod server;

@@ -85,18 +85,27 @@ pub fn serve_with(args: &[&str], plugins: &[&str], env: &[(&str, &str)]) -> Serv
 /// `obx serve` on the embedded default with `args` and `env`, serving the plugin
 /// directory `dir` on a free port.
 pub fn serve_dir(args: &[&str], dir: tempfile::TempDir, env: &[(&str, &str)]) -> Served {
+    serve_adjusted(args, dir, env, |_| {})
+}
+
+/// [`serve_dir`], with `adjust` given the command before it is spawned.
+pub fn serve_adjusted(
+    args: &[&str],
+    dir: tempfile::TempDir,
+    env: &[(&str, &str)],
+    adjust: impl FnOnce(&mut Command),
+) -> Served {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = KillOnDrop(
-        obx()
-            .args(args)
-            .arg("serve")
-            .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-            .env("OBX_PLUGINS__DIR", dir.path())
-            .envs(env.iter().copied())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut command = obx();
+    command
+        .args(args)
+        .arg("serve")
+        .env("OBX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+        .env("OBX_PLUGINS__DIR", dir.path())
+        .envs(env.iter().copied())
+        .stderr(Stdio::piped());
+    adjust(&mut command);
+    let mut child = KillOnDrop(command.spawn().unwrap());
     let stderr = child.0.stderr.take().unwrap();
     let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>());
     Served {
