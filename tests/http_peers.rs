@@ -325,3 +325,48 @@ async fn a_shutdown_answers_the_requests_still_running_and_cuts_a_commit_that_ru
     let cut = committing.await.unwrap();
     assert!(cut.is_err(), "the command whose commit runs on was answered: {cut:?}");
 }
+
+/// A dashboard that polls `/v1/status` while its counts are slow (here, a table they read is
+/// locked) holds the admin API's own two sessions at most, never the host's pool: `/readyz`,
+/// which asks that pool, stays ready, and the statements are cut at the request timeout.
+#[tokio::test]
+async fn a_dashboard_polling_a_slow_status_does_not_take_the_hosts_pool() {
+    use sqlx::Connection;
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.request_timeout = Duration::from_secs(3);
+    })
+    .await;
+    let mut locker = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE obx.timer IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let mut polls = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let url = format!("{}/v1/status", host.url);
+        polls.spawn(async move { reqwest::get(url).await.unwrap().status().as_u16() });
+    }
+    let polling = polls.join_all();
+    let checks = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let admin_sessions = host
+            .count("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'obx-admin'")
+            .await;
+        (host.get("/readyz").await.status, admin_sessions)
+    };
+    let (statuses, (ready, admin_sessions)) = tokio::join!(polling, checks);
+    assert_eq!(ready, 200, "the host's pool answers");
+    assert!(admin_sessions <= 2, "{admin_sessions} admin sessions");
+    assert!(statuses.iter().all(|s| *s == 503), "{statuses:?}");
+    // Cut by Postgres at the request timeout, not left waiting on the lock.
+    eventually(Duration::from_secs(10), "the admin statements ended", || async {
+        host.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'obx-admin' AND wait_event_type = 'Lock'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
+    host.shutdown().await;
+}

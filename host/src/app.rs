@@ -180,6 +180,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
         dispatcher: dispatcher.clone(),
         registry: registry.clone(),
         pool: pool.clone(),
+        admin_pool: db::connect_admin(&url, &config.database, config.http.request_timeout)?,
         ready: ready.clone(),
         metrics,
         lag,
@@ -198,7 +199,10 @@ pub async fn start(mut config: Config) -> Result<Host> {
     let (wind_down, winding_down) = watch::channel(false);
     let router = api::router(state, &config.http, winding_down);
     let limits = api::server::Limits {
-        max_connections: api::descriptors::connection_cap(config.http.max_connections, config.database.max_connections),
+        max_connections: api::descriptors::connection_cap(
+            config.http.max_connections,
+            config.database.max_connections + db::ADMIN_CONNECTIONS,
+        ),
         header_read_timeout: config.http.header_read_timeout,
         write_timeout: config.http.write_timeout,
         drain: config.http.shutdown_timeout / 2,

@@ -34,18 +34,18 @@ pub struct DlqQuery {
 }
 
 pub async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
-    match dlq::list(&state.pool, q.plugin.as_deref(), q.all).await {
+    match dlq::list(&state.admin_pool, q.plugin.as_deref(), q.all).await {
         Ok(letters) => Json(letters).into_response(),
         Err(e) => database_error(e.into()),
     }
 }
 
 pub async fn dlq_retry(State(state): State<Arc<AppState>>, Path(id): Path<i64>) -> Response {
-    resolved(id, "retried", dlq::retry(&state.pool, id).await)
+    resolved(id, "retried", dlq::retry(&state.admin_pool, id).await)
 }
 
 pub async fn dlq_discard(State(state): State<Arc<AppState>>, Path(id): Path<i64>) -> Response {
-    resolved(id, "discarded", dlq::discard(&state.pool, id).await)
+    resolved(id, "discarded", dlq::discard(&state.admin_pool, id).await)
 }
 
 fn resolved(id: i64, status: &str, result: Result<(), DlqError>) -> Response {
@@ -64,14 +64,14 @@ pub struct TimersQuery {
 }
 
 pub async fn timers_list(State(state): State<Arc<AppState>>, Query(q): Query<TimersQuery>) -> Response {
-    match crate::timers::list(&state.pool, q.plugin.as_deref(), q.parked).await {
+    match crate::timers::list(&state.admin_pool, q.plugin.as_deref(), q.parked).await {
         Ok(rows) => Json(rows).into_response(),
         Err(e) => database_error(e.into()),
     }
 }
 
 pub async fn timers_cancel(State(state): State<Arc<AppState>>, Json(id): Json<TimerId>) -> Response {
-    match crate::timers::cancel(&state.pool, &id).await {
+    match crate::timers::cancel(&state.admin_pool, &id).await {
         Ok(true) => Json(json!({ "cancelled": id })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "no_timer", "no such timer"),
         Err(e) => database_error(e.into()),
@@ -79,7 +79,7 @@ pub async fn timers_cancel(State(state): State<Arc<AppState>>, Json(id): Json<Ti
 }
 
 pub async fn timers_retry(State(state): State<Arc<AppState>>, Json(id): Json<TimerId>) -> Response {
-    match crate::timers::retry(&state.pool, &id).await {
+    match crate::timers::retry(&state.admin_pool, &id).await {
         Ok(true) => Json(json!({ "retried": id })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "not_parked", "no such parked timer"),
         Err(e) => database_error(e.into()),
@@ -87,7 +87,7 @@ pub async fn timers_retry(State(state): State<Arc<AppState>>, Json(id): Json<Tim
 }
 
 pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
-    match dlq::quarantined(&state.pool, q.plugin.as_deref()).await {
+    match dlq::quarantined(&state.admin_pool, q.plugin.as_deref()).await {
         Ok(rows) => Json(rows).into_response(),
         Err(e) => database_error(e.into()),
     }
@@ -132,7 +132,7 @@ pub async fn outbox_replay(
     };
     let until = q.parts.then(|| std::time::Instant::now() + state.replay_part);
     let result = crate::outbox::replay::replay_until(
-        &state.pool,
+        &state.admin_pool,
         producer.0.as_ref().expect("made above"),
         &state.kafka,
         &filter,

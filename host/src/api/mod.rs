@@ -36,7 +36,10 @@ pub use errors::error_response;
 pub struct AppState {
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,
+    /// The host's pool: `/readyz` asks it.
     pub pool: PgPool,
+    /// The admin API's own pool ([`crate::db::connect_admin`]).
+    pub admin_pool: PgPool,
     /// False until plugins are loaded, and again once shutdown begins.
     pub ready: Arc<AtomicBool>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
@@ -135,7 +138,7 @@ async fn plugins(State(state): State<Arc<AppState>>) -> Response {
 /// A summary of what the host is doing, for `obx status` and dashboards.
 async fn status(State(state): State<Arc<AppState>>) -> Response {
     let db = async {
-        let outbox = crate::outbox::backlog(&state.pool).await?;
+        let outbox = crate::outbox::backlog(&state.admin_pool).await?;
         let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
             "SELECT p.name, \
                     (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
@@ -143,9 +146,9 @@ async fn status(State(state): State<Arc<AppState>>) -> Response {
                     (SELECT count(*) FROM obx.quarantine q WHERE q.consumer = p.name) \
              FROM obx.plugin p ORDER BY p.name",
         )
-        .fetch_all(&state.pool)
+        .fetch_all(&state.admin_pool)
         .await?;
-        let timers = crate::timers::counts(&state.pool).await?;
+        let timers = crate::timers::counts(&state.admin_pool).await?;
         Ok::<_, sqlx::Error>((outbox, per_plugin, timers))
     };
     let Ok(Ok((outbox, per_plugin, timers))) = tokio::time::timeout(Duration::from_secs(5), db).await else {

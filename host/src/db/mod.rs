@@ -142,6 +142,23 @@ pub async fn connect(url: &str, cfg: &DatabaseConfig) -> Result<PgPool> {
         .context("connecting to Postgres")
 }
 
+/// How many sessions the admin API's pool ([`connect_admin`]) may hold.
+pub const ADMIN_CONNECTIONS: u32 = 2;
+
+/// A small pool, apart from the host's, for what the admin API reads and repairs
+/// (`/v1/status`, `/v1/dlq`, `/v1/timers`, `/v1/quarantine`, replays): a dashboard's slow
+/// counts can hold at most [`ADMIN_CONNECTIONS`] sessions, never the connections the relay,
+/// the consumers, the timers and `/readyz` need, and Postgres ends each statement at
+/// `statement_timeout` (the request's timeout) instead of running it on after its request
+/// was answered. Connected when first used.
+pub fn connect_admin(url: &str, cfg: &DatabaseConfig, statement_timeout: std::time::Duration) -> Result<PgPool> {
+    let timeout = statement_timeout.as_millis().max(1).to_string();
+    Ok(PgPoolOptions::new()
+        .max_connections(ADMIN_CONNECTIONS)
+        .acquire_timeout(cfg.acquire_timeout)
+        .connect_lazy_with(host_options(url, "obx-admin")?.options([("statement_timeout", timeout)])))
+}
+
 /// Applies the host's migrations. Safe to run from several hosts at once: sqlx takes an
 /// advisory lock around them. sqlx's own table lives in `obx` (see [`adopt_legacy_history`]).
 pub async fn migrate(pool: &PgPool) -> Result<()> {
