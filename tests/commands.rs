@@ -391,6 +391,11 @@ async fn http_errors_have_stable_codes() {
     assert_eq!((a.status, a.code()), (400, "invalid_json"));
     let a = host.request("testbed", "ok", Vec::new(), &json_ct).await;
     assert_eq!((a.status, a.code()), (400, "invalid_json"));
+    // JSON's grammar allows these; Postgres's jsonb, and serde_json, do not.
+    for body in [r#"{"a":"\ud800"}"#, r#"{"n":1e999999}"#, r#"{"a":"\u0000"}"#] {
+        let a = host.request("testbed", "ok", body.as_bytes().to_vec(), &json_ct).await;
+        assert_eq!((a.status, a.code()), (400, "invalid_json"), "{body}");
+    }
     let a = host
         .request("testbed", "ok", b"{}".to_vec(), &[("content-type", "text/plain")])
         .await;

@@ -1233,9 +1233,10 @@ async fn a_value_with_a_nul_escape_is_quarantined_and_the_partition_moves_on() {
 }
 
 /// JSON that Postgres's `jsonb` refuses all the same (a lone surrogate escape, an exponent
-/// past `numeric`'s range) is quarantined with Postgres's reason, in either mode, and the
-/// partition moves on: the host's own check lets such a value through, and storing it (in
-/// the inbox, or at parking) failed at every try, holding the partition for ever.
+/// past `numeric`'s range) is quarantined with the reason, in either mode, and the partition
+/// moves on: storing it (in the inbox, or at parking) failed at every try, holding the
+/// partition for ever. The host's check (`jsonb::refusal`) names it now; a value it missed
+/// would still be quarantined with Postgres's own reason when the inbox refuses it.
 #[tokio::test]
 async fn a_value_postgres_refuses_is_quarantined_and_the_partition_moves_on() {
     let host = spawn_host(&["testbed"]).await;
@@ -1257,10 +1258,16 @@ async fn a_value_postgres_refuses_is_quarantined_and_the_partition_moves_on() {
     .await;
     let reasons = quarantine_reasons(&host).await;
     assert_eq!(reasons.len(), 4, "{reasons:?}");
-    assert!(
-        reasons.iter().all(|r| r.starts_with("Postgres refused the event")),
-        "{reasons:?}"
-    );
+    for (what, count) in [("surrogate escape", 2), ("numeric", 2)] {
+        assert_eq!(
+            reasons
+                .iter()
+                .filter(|r| r.contains("cannot be stored") && r.contains(what))
+                .count(),
+            count,
+            "{reasons:?}"
+        );
+    }
     host.shutdown().await;
 }
 

@@ -98,6 +98,16 @@ async fn handle(
             &format!("the body is not valid JSON: {e}"),
         );
     }
+    // What Postgres could not hold as `jsonb` (a lone surrogate escape, a number past
+    // `numeric`'s range, NUL) is refused here, as it would be if the plugin stored it or
+    // emitted it.
+    if let Some(reason) = crate::jsonb::refusal(payload) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            &format!("the body cannot be taken: {reason}"),
+        );
+    }
     let Ok(idempotency_key) = idempotency_key(&headers) else {
         return error_response(
             StatusCode::BAD_REQUEST,

@@ -216,6 +216,20 @@ mod tests {
             ),
             (
                 RawEvent {
+                    payload: r#"{"s":"a\ud800b"}"#.into(),
+                    ..raw()
+                },
+                "a surrogate escape that is not a pair",
+            ),
+            (
+                RawEvent {
+                    payload: r#"{"n":1e131072}"#.into(),
+                    ..raw()
+                },
+                "beyond the range of Postgres's numeric",
+            ),
+            (
+                RawEvent {
                     topic: "bad topic".into(),
                     ..raw()
                 },
