@@ -229,6 +229,32 @@ fn serve_raises_its_open_files_limit_and_fits_its_connections_under_it() {
     assert!(log.contains("cap=270"), "{log}");
 }
 
+/// An error answer that is not the host's JSON (a proxy's page, the HTTP layer's own
+/// refusal) is reported with its status and the start of its text, not as an unreadable
+/// answer.
+#[test]
+fn obx_status_reports_the_status_of_an_error_that_is_not_json() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let proxy = std::thread::spawn(move || {
+        let (mut peer, _) = listener.accept().unwrap();
+        let mut head = [0u8; 4096];
+        let _ = peer.read(&mut head);
+        let page = "<html><body>Bad Gateway</body></html>";
+        let answer = format!(
+            "HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+            page.len()
+        );
+        peer.write_all(answer.as_bytes()).unwrap();
+    });
+    let out = obx().args(["status", "--url", &url]).output().unwrap();
+    proxy.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("502") && stderr.contains("Bad Gateway"), "{stderr}");
+}
+
 #[test]
 fn a_json_log_is_one_object_per_line_and_an_unknown_format_is_refused() {
     let Served {

@@ -15,6 +15,9 @@ struct Admin {
     base: String,
     token: Option<String>,
     client: reqwest::Client,
+    /// How long an answer may take: the host answers within `http.request_timeout`, or, for
+    /// a request whose work was committing, within a second timeout.
+    timeout: std::time::Duration,
 }
 
 impl Admin {
@@ -31,6 +34,7 @@ impl Admin {
             base: base.trim_end_matches('/').to_string(),
             token,
             client: reqwest::Client::new(),
+            timeout: config.http.request_timeout * 2 + std::time::Duration::from_secs(10),
         }
     }
 
@@ -45,7 +49,7 @@ impl Admin {
     }
 
     async fn send(&self, mut request: reqwest::RequestBuilder) -> Result<serde_json::Value> {
-        request = request.timeout(std::time::Duration::from_secs(60));
+        request = request.timeout(self.timeout);
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
         }
@@ -57,17 +61,20 @@ impl Admin {
             )
         })?;
         let code = response.status();
-        let body: serde_json::Value = response
-            .json()
+        let text = response
+            .text()
             .await
-            .with_context(|| format!("reading {base}'s answer"))?;
+            .with_context(|| format!("reading {base}'s answer ({code})"))?;
+        let body = serde_json::from_str::<serde_json::Value>(&text);
         if !code.is_success() {
-            anyhow::bail!(
-                "{base} answered {code}: {}",
-                body["error"]["message"].as_str().unwrap_or("?")
-            );
+            // The host's errors are JSON; a proxy's, or the HTTP layer's, may not be.
+            let message = match &body {
+                Ok(body) => body["error"]["message"].as_str().unwrap_or("?").to_string(),
+                Err(_) => text.chars().take(200).collect::<String>().trim().to_string(),
+            };
+            anyhow::bail!("{base} answered {code}: {message}");
         }
-        Ok(body)
+        body.with_context(|| format!("reading {base}'s answer: it is not JSON"))
     }
 }
 
