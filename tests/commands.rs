@@ -491,7 +491,11 @@ async fn plugin_migrations_are_recorded_and_a_changed_one_is_refused() {
 async fn an_event_payload_with_a_nul_escape_is_refused_at_the_emit_with_the_reason() {
     let host = spawn_host(&["testbed"]).await;
     let answer = host
-        .command("testbed", "emit", json!({ "id": "nul", "payload": { "s": "a\u{0}b" } }))
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "nul", "payload_text": r#"{"s": "a\u0000b"}"# }),
+        )
         .await;
     // The guest's emit got the reason (`outbox::tests::refuses_bad_fields`); the caller gets
     // the failed call, as for any refused emit, and not a database error at the commit.

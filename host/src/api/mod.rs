@@ -12,6 +12,7 @@ mod deadline;
 pub mod descriptors;
 mod errors;
 mod local;
+mod places;
 pub mod server;
 
 use std::sync::atomic::{AtomicBool, Ordering};

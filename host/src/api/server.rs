@@ -1,9 +1,10 @@
 //! The HTTP server: HTTP/1.1 connections, each on a task of its own, with bounds a broken or
 //! hostile peer cannot get past.
 //!
-//! - At most `http.max_connections` connections are open at once. Past that the server stops
-//!   accepting (new peers wait in the kernel's queue), so that peers cannot take the file
-//!   descriptors the host needs for Postgres, Kafka and plugins.
+//! - At most `http.max_connections` connections are open at once, so that peers cannot take
+//!   the file descriptors the host needs for Postgres, Kafka and plugins. Past that, one more
+//!   is accepted and waits while a connection is asked to leave for it (see `places`); the
+//!   rest wait in the kernel's queue.
 //! - A connection that has not sent a request's whole head within `http.header_read_timeout`
 //!   is closed: a slow sender, or a keep-alive connection idle that long. Slow peers thus
 //!   free their places.
@@ -36,7 +37,9 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
+
+use super::places::{Holder, Places};
 
 /// The largest request head (start line and headers) a connection takes; a larger one is
 /// answered 431 and the connection closed. Without it, hyper buffered a head up to about
@@ -64,7 +67,7 @@ pub async fn serve(
     mut stop: watch::Receiver<bool>,
     wind_down: watch::Sender<bool>,
 ) {
-    let places = Arc::new(Semaphore::new(limits.max_connections));
+    let places = Places::new(limits.max_connections);
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
@@ -75,10 +78,6 @@ pub async fn serve(
     // Set once the drain is over: connections still open are dropped.
     let (cut_tx, cut) = watch::channel(false);
     loop {
-        let place = tokio::select! {
-            place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
-            _ = stopped(&mut stop) => break,
-        };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) => stream,
@@ -92,9 +91,13 @@ pub async fn serve(
             },
             _ = stopped(&mut stop) => break,
         };
+        let place = tokio::select! {
+            place = places.take() => place,
+            _ = stopped(&mut stop) => break,
+        };
         let _ = stream.set_nodelay(true);
         let stream = WriteDeadline::new(stream, limits.write_timeout);
-        let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
+        let connection = http.serve_connection(TokioIo::new(stream), counted(router.clone(), place.holder()));
         let (mut stop, mut cut) = (stop.clone(), cut.clone());
         let open = open.clone();
         metrics::gauge!("obx_http_connections").increment(1.0);
@@ -102,6 +105,13 @@ pub async fn serve(
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => {}
+                _ = place.asked_to_leave() => {
+                    connection.as_mut().graceful_shutdown();
+                    tokio::select! {
+                        _ = connection.as_mut() => {}
+                        _ = stopped(&mut cut) => {}
+                    }
+                }
                 _ = stopped(&mut stop) => {
                     connection.as_mut().graceful_shutdown();
                     tokio::select! {
@@ -136,6 +146,30 @@ pub async fn serve(
         let _ = cut_tx.send(true);
         open_tx.closed().await;
     }
+}
+
+/// `router` as a connection's service, each request counted as served by `holder` until
+/// its answer is ready.
+fn counted(
+    router: Router,
+    holder: Arc<Holder>,
+) -> impl hyper::service::Service<
+    hyper::Request<hyper::body::Incoming>,
+    Response = axum::response::Response,
+    Error = std::convert::Infallible,
+    Future = impl Future<Output = Result<axum::response::Response, std::convert::Infallible>> + Send,
+> + Clone {
+    use hyper::service::Service as _;
+    let service = TowerToHyperService::new(router);
+    hyper::service::service_fn(move |request| {
+        let serving = holder.serving();
+        let answer = service.call(request);
+        async move {
+            let answer = answer.await;
+            drop(serving);
+            answer
+        }
+    })
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

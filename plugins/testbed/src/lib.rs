@@ -481,7 +481,7 @@ fn from_sql(v: &SqlValue) -> Value {
 /// Emits events and answers ok, stopping at the first error. Fields: `count` (default 1),
 /// or `keys` (one event per key, in order); `topic`, or `topics` (event i goes to
 /// `topics[i % n]`); `event_type`; `key`; `seq` (copied into each payload); `payload_bytes`
-/// (pads it); `payload` (sent as it is).
+/// (pads it); `payload` (sent as it is); `payload_text` (the payload's text, as it is).
 /// The topics the testbed may emit to (tests pick one per purpose), each with every event
 /// type it emits. Anything else is refused by the host, which the hostile tests rely on.
 const TOPICS: &[&str] = &[
@@ -552,7 +552,9 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             aggregate_type: "Item".into(),
             aggregate_id: key.clone().unwrap_or_else(|| format!("{id}-{i}")),
             event_type: p["event_type"].as_str().unwrap_or("ItemEmitted").into(),
-            payload: payload.to_string(),
+            // `payload_text`: the payload's JSON text as given, which the guest may get
+            // wrong in ways a JSON value cannot be (an escape Postgres refuses).
+            payload: p["payload_text"].as_str().map_or_else(|| payload.to_string(), String::from),
             topic: topics[i as usize % topics.len()].clone(),
             partition_key: key,
         };
