@@ -554,7 +554,9 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             event_type: p["event_type"].as_str().unwrap_or("ItemEmitted").into(),
             // `payload_text`: the payload's JSON text as given, which the guest may get
             // wrong in ways a JSON value cannot be (an escape Postgres refuses).
-            payload: p["payload_text"].as_str().map_or_else(|| payload.to_string(), String::from),
+            payload: p["payload_text"]
+                .as_str()
+                .map_or_else(|| payload.to_string(), String::from),
             topic: topics[i as usize % topics.len()].clone(),
             partition_key: key,
         };
