@@ -14,6 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
+/// How long a connection asked to leave has before another is asked too.
+const ASK_NEXT_AFTER: std::time::Duration = std::time::Duration::from_millis(250);
+
 pub struct Places {
     free: Arc<Semaphore>,
     /// The connections holding places, oldest first.
@@ -26,6 +29,8 @@ pub struct Places {
 pub struct Holder {
     /// Requests it is serving.
     serving: AtomicUsize,
+    /// Whether it was asked to leave.
+    asked: std::sync::atomic::AtomicBool,
     leave: Notify,
 }
 
@@ -46,18 +51,19 @@ impl Places {
         })
     }
 
-    /// A place for a connection just accepted: at once if one is free, or else when the
-    /// connection asked to leave for it has left.
+    /// A place for a connection just accepted: at once if one is free, or else when a
+    /// connection asked to leave for it has left. One that has not left within
+    /// [`ASK_NEXT_AFTER`] (a peer in the middle of a request's head, which hyper lets finish
+    /// it) is followed by another.
     pub async fn take(self: &Arc<Self>) -> Place {
-        let permit = match self.free.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                self.ask_one_to_leave();
-                self.free
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("the semaphore is never closed")
+        let permit = loop {
+            if let Ok(permit) = self.free.clone().try_acquire_owned() {
+                break permit;
+            }
+            self.ask_one_to_leave();
+            let freed = tokio::time::timeout(ASK_NEXT_AFTER, self.free.clone().acquire_owned()).await;
+            if let Ok(permit) = freed {
+                break permit.expect("the semaphore is never closed");
             }
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -73,8 +79,10 @@ impl Places {
 
     fn ask_one_to_leave(&self) {
         let held = self.held.lock().unwrap();
-        let idle = held.values().find(|h| h.serving.load(Ordering::Acquire) == 0);
-        if let Some(holder) = idle.or_else(|| held.values().next()) {
+        let not_asked = || held.values().filter(|h| !h.asked.load(Ordering::Acquire));
+        let idle = not_asked().find(|h| h.serving.load(Ordering::Acquire) == 0);
+        if let Some(holder) = idle.or_else(|| not_asked().next()) {
+            holder.asked.store(true, Ordering::Release);
             holder.leave.notify_one();
         }
     }
@@ -139,12 +147,15 @@ mod tests {
             .await
             .expect("b's place taken")
             .unwrap();
-        // All busy: the oldest is asked.
+        // All busy: the oldest is asked; while it stays, the next oldest.
         let (_c_busy, _d_busy) = (c.holder().serving(), d.holder().serving());
         let places2 = places.clone();
         let _waiting = tokio::spawn(async move { places2.take().await });
         tokio::time::timeout(Duration::from_secs(1), a.asked_to_leave())
             .await
             .expect("a asked to leave");
+        tokio::time::timeout(Duration::from_secs(1), c.asked_to_leave())
+            .await
+            .expect("c asked to leave while a stays");
     }
 }
