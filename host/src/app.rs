@@ -72,8 +72,9 @@ pub async fn start(mut config: Config) -> Result<Host> {
         }
     };
     let pool = db::connect(&url, &config.database).await?;
-    db::migrate(&pool).await?;
+    // Before the migrations: a server refused is left as it was.
     db::refuse_prepared_transactions(&pool).await?;
+    db::migrate(&pool).await?;
     let relays = config.relay.enabled.then(|| config.kafka.partitioner.librdkafka_name());
     db::installation::check_shared_kafka_settings(&pool, relays, &config.kafka.topic_prefix, true).await?;
     warn_if_superuser(&pool).await;
