@@ -1117,21 +1117,8 @@ async fn a_plugin_session_that_takes_the_relays_locks_is_ended() {
         .execute(&mut s)
         .await
         .unwrap();
-    let more = sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
-        .bind(space)
-        .execute(&mut s)
-        .await;
-    ended_already_or_ok(more);
-    let a = host
-        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
-        .await;
-    assert_eq!(a.status, 200, "{}", a.text);
-    eventually(Duration::from_secs(20), "the event is published", || async {
-        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
+    take_relay_member_locks(&mut s, space).await;
+    an_event_emitted_now_is_published(&host).await;
     // The relay looks at its lock space once a second.
     assert_session_ends(&mut s).await;
     host.shutdown().await;
@@ -1167,23 +1154,10 @@ async fn a_plugin_that_revokes_the_hosts_membership_in_its_role_is_still_ended()
     assert!(!member().await, "revoked");
     // Member locks of the relay's, which no relay holds (see the test above).
     let space = relay_lock_space(&mut s).await;
-    let taken = sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
-        .bind(space)
-        .execute(&mut s)
-        .await;
-    ended_already_or_ok(taken);
+    take_relay_member_locks(&mut s, space).await;
     assert_session_ends(&mut s).await;
     assert!(member().await, "the host's membership in the plugin's role is back");
-    let a = host
-        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
-        .await;
-    assert_eq!(a.status, 200, "{}", a.text);
-    eventually(Duration::from_secs(20), "the event is published", || async {
-        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
+    an_event_emitted_now_is_published(&host).await;
     host.shutdown().await;
 }
 
@@ -1296,6 +1270,30 @@ fn ended_already_or_ok(result: sqlx::Result<sqlx::postgres::PgQueryResult>) {
         Err(sqlx::Error::Io(_)) => {}
         Err(e) => panic!("the intruder's second statement failed otherwise: {e}"),
     }
+}
+
+/// Takes a thousand of the relay's member locks (in lock space `space`) on plugin session `s`,
+/// as an attacker would; the host may end the session meanwhile.
+async fn take_relay_member_locks(s: &mut PgConnection, space: i64) {
+    let taken = sqlx::query("SELECT pg_try_advisory_lock(($1 | 1)::int4, g) FROM generate_series(1000, 2000) g")
+        .bind(space)
+        .execute(&mut *s)
+        .await;
+    ended_already_or_ok(taken);
+}
+
+/// Asserts that testbed's next event, the first one of the test, is published within 20 s.
+async fn an_event_emitted_now_is_published(host: &TestHost) {
+    let a = host
+        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    eventually(Duration::from_secs(20), "the event is published", || async {
+        host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
 }
 
 /// Asserts that `s` is ended (by the host) within 10 s.
