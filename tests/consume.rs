@@ -753,6 +753,54 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     host.shutdown().await;
 }
 
+/// A claim that waits for the row lock of an event whose failed attempt another session is
+/// recording (a processor whose claim's transaction was lost records it apart) stops before
+/// that event once it sees the attempt: the events behind it on its key wait too. The claim
+/// used to fix where its batch stops before it waited, from what it saw then, and dropped
+/// the waiting event from its batch only when it got the lock: it ran the events behind it,
+/// out of order (CI once saw A5 run while A4 was parked).
+#[tokio::test]
+async fn a_claim_that_waits_for_a_recorded_attempt_stops_before_its_event() {
+    let broker = broker();
+    let (host, _) = not_consuming(&broker, INBOX).await;
+    store_ten_inbox_events(&host, -1).await;
+    let fourth: uuid::Uuid =
+        sqlx::query_scalar("SELECT event_id FROM obx.inbox_event WHERE (payload->>'seq')::int = 3")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    let mut recorder = host.plugin_session("testbed").await;
+    sqlx::Executor::execute(&mut recorder, "BEGIN").await.unwrap();
+    let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_fail_attempt($1, 1, 'lost', false, 60)")
+        .bind(fourth)
+        .fetch_one(&mut recorder)
+        .await
+        .unwrap();
+    assert!(recorded);
+    let mut claimer = host.plugin_session("testbed").await;
+    let claim = async {
+        sqlx::Executor::execute(&mut claimer, "BEGIN").await.unwrap();
+        let seqs: Vec<i32> =
+            sqlx::query_scalar("SELECT (payload::jsonb->>'seq')::int FROM obx_api.inbox_take_batch(64)")
+                .fetch_all(&mut claimer)
+                .await
+                .unwrap();
+        seqs
+    };
+    let record = async {
+        eventually(
+            Duration::from_secs(10),
+            "the claim waits for the fourth event's lock",
+            || async { host.lock_waits().await >= 1 },
+        )
+        .await;
+        sqlx::Executor::execute(&mut recorder, "COMMIT").await.unwrap();
+    };
+    let (seqs, ()) = tokio::join!(claim, record);
+    assert_eq!(seqs, [0, 1, 2], "the claim ran past an event waiting for its retry");
+    host.shutdown().await;
+}
+
 /// A handler blocked in the host (a WASI sleep, which the epoch cannot stop) is stopped by
 /// the call's backstop, which loses its transaction: the attempt is recorded apart, and the
 /// event waits its backoff and is parked in the end, with its key, while others flow. In

@@ -552,6 +552,7 @@ mod tests {
         (19, "0bbdf00c99be45fd4c7389e121e43e5a"),
         (20, "90095d4f1c9bb0149b3b3fa90f932439"),
         (21, "4a46a01c8ce08e5aa0d54073eb73709c"),
+        (22, "2f488375772f765243ed17c724ffcdbf"),
     ];
 
     #[test]
