@@ -354,6 +354,77 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
     host.shutdown().await;
 }
 
+/// A delayed event whose id an open transaction holds (the race above) holds up its own key
+/// only: due delayed events of other keys are released and published meanwhile, and the next
+/// one of its key waits behind it; when the transaction ends, the two go out in their order.
+/// The release used to give up its whole step after its 200 ms lock wait, at every step, so
+/// that one plugin's open transaction kept every plugin's delayed events waiting.
+#[tokio::test]
+async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.call_deadline = Duration::from_secs(30);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut a = host.plugin_session("testbed").await;
+    let mut b = host.plugin_session("testbed").await;
+    let twin = uuid::Uuid::new_v4();
+    sqlx::query("BEGIN").execute(&mut a).await.unwrap();
+    emit_later(twin, 0).execute(&mut a).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut b).await.unwrap();
+    let racing = tokio::spawn(async move {
+        let written = emit_now(twin).execute(&mut b).await;
+        (b, written)
+    });
+    eventually(Duration::from_secs(10), "b's emit waits for a", || async {
+        host.lock_waits().await >= 1
+    })
+    .await;
+    sqlx::query("COMMIT").execute(&mut a).await.unwrap();
+    let (mut b, written) = racing.await.unwrap();
+    written.expect("the racing emit goes through");
+
+    // Two delayed events due after the held one (a delay of 0 publishes at once): one of its
+    // key, one of another.
+    let behind = sequenced(&host, "a", Some(50)).await;
+    let other = sequenced(&host, "other", Some(50)).await;
+    eventually(
+        Duration::from_secs(10),
+        "a delayed event of another key published meanwhile",
+        || async { published(&host, "other", other).await },
+    )
+    .await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.outbox_delayed WHERE partition_key = 'a'")
+            .await,
+        2,
+        "the held event and the one of its key behind it wait"
+    );
+
+    sqlx::query("ROLLBACK").execute(&mut b).await.unwrap();
+    eventually(Duration::from_secs(10), "the key's two events published", || async {
+        published(&host, "a", behind).await
+            && host
+                .count(&format!(
+                    "SELECT count(*) FROM obx.outbox_event WHERE event_id = '{twin}' AND published_at IS NOT NULL"
+                ))
+                .await
+                == 1
+    })
+    .await;
+    let in_order = host
+        .count(&format!(
+            "SELECT count(*) FROM obx.outbox_event t, obx.outbox_event s \
+             WHERE t.event_id = '{twin}' AND s.partition_key = 'a' \
+               AND (s.payload->>'seq')::bigint = {behind} AND t.id < s.id"
+        ))
+        .await;
+    assert_eq!(in_order, 1, "the held event went out after the one behind it");
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+    host.shutdown().await;
+}
+
 /// With no delayed event waiting, the release says so (NULL), and an idle relay waits for a
 /// commit or its poll. It said "due in 0 ms" (greatest() skips a NULL), so every idle relay
 /// stepped at `relay.min_step_interval`: some 400 transactions a second per idle host.

@@ -982,7 +982,9 @@ enum Released {
     /// Done: how long until the next delayed event is due, if one waits.
     Due(Option<Duration>),
     /// It waited its most for a lock (`obx.outbox_release_due` has a `lock_timeout`) and left
-    /// its rows for a later step; the relay publishes on meanwhile.
+    /// its rows for a later step; the relay publishes on meanwhile. Since migration 0023 the
+    /// function catches its own lock waits and leaves only the keys it could not move, so this
+    /// is a defence for a wait outside them.
     Held,
 }
 
