@@ -5,11 +5,16 @@
 -- lost records it apart), the lock wait ended with the event waiting for its retry: the
 -- recheck of the locked row dropped it from the batch, but the stop, computed before, let the
 -- events behind it in, and they ran before it, out of their key's order (CI once saw A5 take
--- effect while A4 was parked). Now the rows are locked by one statement, and a second one,
--- which sees every commit made before the locks were granted, keeps the batch's events up to
--- the first unprocessed event of the key that is not in it, and nothing at all if an event
--- before the head is unprocessed again. The events it keeps are locked, so what it saw of
--- them stays true until the commit. The head's choice and the marking are as in 0019.
+-- effect while A4 was parked).
+--
+-- Now one statement locks the candidates, skipping any row another session holds, and a
+-- second one, with a snapshot taken after the locks, keeps them up to the first unprocessed
+-- event of the key that is not among them (one held elsewhere, or waiting, or the first past
+-- the limit), and nothing at all if an event before the head is unprocessed again. The events
+-- it keeps are locked, so what it saw of them stays true until the commit. No lock is waited
+-- for beyond the head's. The candidates of a key are found with `=` (0019's IS NOT DISTINCT
+-- FROM could not use ix_inbox_event_key, and walked the consumer's whole queue); an event
+-- with no key is a batch of its own. The head's choice and the marking are as in 0019.
 CREATE OR REPLACE FUNCTION obx_api.inbox_take_batch(p_limit integer)
     RETURNS TABLE (event_id uuid, topic text, payload text, event_type text, partition_key text,
                    headers jsonb, attempts integer, fresh boolean)
@@ -37,33 +42,33 @@ BEGIN
         RETURN;
     END IF;
     IF v_head.partition_key IS NULL THEN
-        v_limit := 1;
+        v_locked := ARRAY[v_head.event_id];
+    ELSE
+        -- The candidates, locked; a row another session holds is left out, and ends the batch.
+        SELECT coalesce(array_agg(c.event_id), ARRAY[v_head.event_id]) INTO v_locked FROM (
+            SELECT r.event_id
+            FROM obx.inbox_event r
+            WHERE r.consumer = v_consumer AND r.topic = v_head.topic
+              AND r.partition_key = v_head.partition_key
+              AND NOT r.processed AND r.seq >= v_head.seq
+              AND NOT r.parked AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())
+              -- The first that waits among the batch's next events only: a key's whole backlog
+              -- would be read at every batch.
+              AND r.seq < coalesce((
+                  SELECT min(w.seq) FROM (
+                      SELECT q.seq, q.parked, q.next_attempt_at FROM obx.inbox_event q
+                      WHERE q.consumer = v_consumer AND q.topic = v_head.topic
+                        AND q.partition_key = v_head.partition_key
+                        AND NOT q.processed AND q.seq > v_head.seq
+                      ORDER BY q.seq
+                      LIMIT v_limit) w
+                  WHERE w.parked OR w.next_attempt_at > now()), 9223372036854775807)
+            ORDER BY r.seq
+            LIMIT v_limit
+            FOR UPDATE OF r SKIP LOCKED) c;
     END IF;
-    -- The candidates, locked; a row another session holds is waited for.
-    SELECT coalesce(array_agg(c.event_id), '{}') INTO v_locked FROM (
-        SELECT r.event_id
-        FROM obx.inbox_event r
-        WHERE r.consumer = v_consumer AND r.topic = v_head.topic
-          AND r.partition_key IS NOT DISTINCT FROM v_head.partition_key
-          AND NOT r.processed AND r.seq >= v_head.seq
-          AND (v_head.partition_key IS NOT NULL OR r.event_id = v_head.event_id)
-          AND NOT r.parked AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())
-          -- The first that waits among the batch's next events only: a key's whole backlog
-          -- would be read at every batch.
-          AND r.seq < coalesce((
-              SELECT min(w.seq) FROM (
-                  SELECT q.seq, q.parked, q.next_attempt_at FROM obx.inbox_event q
-                  WHERE q.consumer = v_consumer AND q.topic = v_head.topic
-                    AND q.partition_key = v_head.partition_key
-                    AND NOT q.processed AND q.seq > v_head.seq
-                  ORDER BY q.seq
-                  LIMIT v_limit) w
-              WHERE w.parked OR w.next_attempt_at > now()), 9223372036854775807)
-        ORDER BY r.seq
-        LIMIT v_limit
-        FOR UPDATE OF r) c;
     -- A new statement, a new snapshot: the locked rows up to the first unprocessed event of the
-    -- key that is not among them (one the lock wait dropped, or the first beyond the limit).
+    -- key that is not among them (held by another session, or waiting, or past the limit).
     RETURN QUERY
     WITH run AS (
         SELECT r.consumer, r.event_id

@@ -753,14 +753,15 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     host.shutdown().await;
 }
 
-/// A claim that waits for the row lock of an event whose failed attempt another session is
-/// recording (a processor whose claim's transaction was lost records it apart) stops before
-/// that event once it sees the attempt: the events behind it on its key wait too. The claim
-/// used to fix where its batch stops before it waited, from what it saw then, and dropped
-/// the waiting event from its batch only when it got the lock: it ran the events behind it,
-/// out of order (CI once saw A5 run while A4 was parked).
+/// A claim made while another session holds an event's row, recording that event's failed
+/// attempt (a processor whose claim's transaction was lost records it apart), stops before
+/// that event: the events behind it on its key wait too, whether the record commits before
+/// the claim sees it or after. The claim used to wait for the row, then drop the event from
+/// its batch once it saw the attempt, but let the events behind it in, by a stop it had fixed
+/// before the wait: they ran before it, out of their key's order (CI once saw A5 run while A4
+/// was parked). It now waits for no row but the head's.
 #[tokio::test]
-async fn a_claim_that_waits_for_a_recorded_attempt_stops_before_its_event() {
+async fn a_claim_that_meets_an_attempt_being_recorded_stops_before_its_event() {
     let broker = broker();
     let (host, _) = not_consuming(&broker, INBOX).await;
     store_ten_inbox_events(&host, -1).await;
@@ -778,26 +779,42 @@ async fn a_claim_that_waits_for_a_recorded_attempt_stops_before_its_event() {
         .unwrap();
     assert!(recorded);
     let mut claimer = host.plugin_session("testbed").await;
-    let claim = async {
-        sqlx::Executor::execute(&mut claimer, "BEGIN").await.unwrap();
+    let claimer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut claimer)
+        .await
+        .unwrap();
+    let claim = tokio::spawn(async move {
+        // A claim that waits for the row (as the old one did) outlasts the role's lock timeout.
+        sqlx::Executor::execute(&mut claimer, "BEGIN; SET LOCAL lock_timeout = '30s'")
+            .await
+            .unwrap();
         let seqs: Vec<i32> =
             sqlx::query_scalar("SELECT (payload::jsonb->>'seq')::int FROM obx_api.inbox_take_batch(64)")
                 .fetch_all(&mut claimer)
                 .await
                 .unwrap();
         seqs
-    };
-    let record = async {
-        eventually(
-            Duration::from_secs(10),
-            "the claim waits for the fourth event's lock",
-            || async { host.lock_waits().await >= 1 },
-        )
-        .await;
-        sqlx::Executor::execute(&mut recorder, "COMMIT").await.unwrap();
-    };
-    let (seqs, ()) = tokio::join!(claim, record);
-    assert_eq!(seqs, [0, 1, 2], "the claim ran past an event waiting for its retry");
+    });
+    // The record commits once the claim has returned, or waits for the recorder.
+    eventually(
+        Duration::from_secs(10),
+        "the claim returns or waits for the record",
+        || async {
+            claim.is_finished()
+                || host
+                    .count(&format!("SELECT cardinality(pg_blocking_pids({claimer_pid}))::bigint"))
+                    .await
+                    > 0
+        },
+    )
+    .await;
+    sqlx::Executor::execute(&mut recorder, "COMMIT").await.unwrap();
+    let seqs = claim.await.unwrap();
+    assert_eq!(
+        seqs,
+        [0, 1, 2],
+        "the claim ran past an event whose attempt was being recorded"
+    );
     host.shutdown().await;
 }
 
