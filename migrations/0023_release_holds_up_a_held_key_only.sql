@@ -3,21 +3,31 @@
 -- up its whole step. An open transaction that still wrote a delayed event's id (it raced the
 -- delayed event's own commit: see 0011) makes that event's insert wait at every step, so one
 -- plugin's open transaction kept every plugin's delayed events waiting, and a plugin could
--- chain such transactions. Now, when the statement runs out of lock time, the release takes
--- the due events one at a time, each in a subtransaction, waiting for no lock of another
--- relay (NOWAIT) and 20 ms at most for a twin: an event that cannot move stays, and so does
--- every later event of its key in this step (a key's events enter the outbox in due order);
--- the rest move. At most 32 at a time, so that the subtransactions stay within what each
--- backend keeps in shared memory (64). When events were held and all the due ones were seen,
--- the next step comes in 100 ms at the soonest, not at once. Otherwise as in 0013.
-CREATE OR REPLACE FUNCTION obx.outbox_release_due(p_limit integer, OUT released integer, OUT next_due_ms bigint)
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET lock_timeout = '200ms' AS $$
+-- chain such transactions.
+--
+-- Now the one statement waits 50 ms at most. When it runs out of lock time, the release takes
+-- the due events one at a time, in due order, each in a subtransaction that waits for no
+-- other relay's lock (NOWAIT) and 5 ms at most for a twin. An event that cannot move stays,
+-- and so does every later event of its key in this step, since a key's events enter the
+-- outbox in due order; the events of other keys move. At most 32 events are tried a step
+-- (those of a held key are passed over, not tried), so that the subtransactions stay within
+-- what each backend keeps in shared memory (64). `held` says how many due events were left
+-- because their key was held; when every due event was seen and some were held, the next
+-- step is asked for in 100 ms at the soonest, not at once. Otherwise as in 0013. The new
+-- output column changes the function's type, so it is dropped and created again (hosts of
+-- the previous version name the two columns they read).
+DROP FUNCTION obx.outbox_release_due(integer);
+CREATE FUNCTION obx.outbox_release_due(p_limit integer, OUT released integer, OUT next_due_ms bigint,
+                                       OUT held integer)
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET lock_timeout = '50ms' AS $$
 DECLARE
-    v_due  obx.outbox_delayed;
-    v_held text[] := '{}';
-    v_seen integer := 0;
-    v_n    integer;
+    v_due    obx.outbox_delayed;
+    v_keys   text[] := '{}';
+    v_tried  integer := 0;
+    v_capped boolean := false;
+    v_n      integer;
 BEGIN
+    held := 0;
     BEGIN
         WITH due AS (
             SELECT d.seq FROM obx.outbox_delayed d WHERE d.due_at <= clock_timestamp()
@@ -35,13 +45,21 @@ BEGIN
         GET DIAGNOSTICS released = ROW_COUNT;
     EXCEPTION WHEN lock_not_available THEN
         released := 0;
-        PERFORM set_config('lock_timeout', '20ms', true);
+        -- Until the function returns: its own SET clause puts the 50 ms back then.
+        PERFORM set_config('lock_timeout', '5ms', true);
         FOR v_due IN
             SELECT * FROM obx.outbox_delayed d WHERE d.due_at <= clock_timestamp()
-            ORDER BY d.due_at, d.seq LIMIT least(greatest(p_limit, 1), 32)
+            ORDER BY d.due_at, d.seq
         LOOP
-            v_seen := v_seen + 1;
-            CONTINUE WHEN v_due.partition_key = ANY (v_held);
+            IF v_due.partition_key = ANY (v_keys) THEN
+                held := held + 1;
+                CONTINUE;
+            END IF;
+            IF v_tried >= 32 OR released >= p_limit THEN
+                v_capped := true;
+                EXIT;
+            END IF;
+            v_tried := v_tried + 1;
             BEGIN
                 -- Gone: another relay moved it, and committed.
                 PERFORM 1 FROM obx.outbox_delayed d WHERE d.seq = v_due.seq FOR UPDATE NOWAIT;
@@ -57,13 +75,14 @@ BEGIN
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 released := released + v_n;
             EXCEPTION WHEN lock_not_available THEN
-                v_held := v_held || v_due.partition_key;
+                v_keys := v_keys || v_due.partition_key;
+                held := held + 1;
             END;
         END LOOP;
     END;
     SELECT ceil(extract(epoch FROM min(d.due_at) - clock_timestamp()) * 1000)::bigint
     INTO next_due_ms FROM obx.outbox_delayed d;
-    IF cardinality(v_held) > 0 AND v_seen < 32 THEN
+    IF held > 0 AND NOT v_capped THEN
         next_due_ms := greatest(next_due_ms, 100);
     END IF;
 END $$;

@@ -355,10 +355,11 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
 }
 
 /// A delayed event whose id an open transaction holds (the race above) holds up its own key
-/// only: due delayed events of other keys are released and published meanwhile, and the next
-/// one of its key waits behind it; when the transaction ends, the two go out in their order.
-/// The release used to give up its whole step after its 200 ms lock wait, at every step, so
-/// that one plugin's open transaction kept every plugin's delayed events waiting.
+/// only: due delayed events of other keys are released and published meanwhile, behind 40 of
+/// its key (more than the release tries in a step), and the next one of its key waits behind
+/// it; when the transaction ends, they go out in their order. The release used to give up its
+/// whole step after its 200 ms lock wait, at every step, so that one plugin's open
+/// transaction kept every plugin's delayed events waiting.
 #[tokio::test]
 async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let host = spawn_host_with(&["testbed"], |c| {
@@ -371,7 +372,10 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let twin = uuid::Uuid::new_v4();
     sqlx::query("BEGIN").execute(&mut a).await.unwrap();
     emit_later(twin, 0).execute(&mut a).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut b).await.unwrap();
+    sqlx::raw_sql("BEGIN; SET LOCAL lock_timeout = '30s'")
+        .execute(&mut b)
+        .await
+        .unwrap();
     let racing = tokio::spawn(async move {
         let written = emit_now(twin).execute(&mut b).await;
         (b, written)
@@ -384,9 +388,12 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let (mut b, written) = racing.await.unwrap();
     written.expect("the racing emit goes through");
 
-    // Two delayed events due after the held one (a delay of 0 publishes at once): one of its
-    // key, one of another.
+    // Delayed events due after the held one (a delay of 0 publishes at once): 41 of its key,
+    // then one of another.
     let behind = sequenced(&host, "a", Some(50)).await;
+    for _ in 0..40 {
+        emit_later(uuid::Uuid::new_v4(), 50).execute(&mut a).await.unwrap();
+    }
     let other = sequenced(&host, "other", Some(50)).await;
     eventually(
         Duration::from_secs(10),
@@ -397,8 +404,8 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     assert_eq!(
         host.count("SELECT count(*) FROM obx.outbox_delayed WHERE partition_key = 'a'")
             .await,
-        2,
-        "the held event and the one of its key behind it wait"
+        42,
+        "the held event and those of its key behind it wait"
     );
 
     sqlx::query("ROLLBACK").execute(&mut b).await.unwrap();

@@ -552,8 +552,8 @@ mod tests {
         (19, "0bbdf00c99be45fd4c7389e121e43e5a"),
         (20, "90095d4f1c9bb0149b3b3fa90f932439"),
         (21, "4a46a01c8ce08e5aa0d54073eb73709c"),
-        (22, "2f488375772f765243ed17c724ffcdbf"),
-        (23, "d0b19938ff0676c5d18eb6f6cb15735e"),
+        (22, "2dce6cb60854b7f5f9f3246907eea921"),
+        (23, "25d0b2aa70a59278ad6b4ac1d1de137f"),
     ];
 
     #[test]

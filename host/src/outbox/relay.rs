@@ -515,23 +515,23 @@ impl Relay {
         let wake = (!self.owns_all.load(Ordering::Relaxed))
             .then_some(st.channel.as_deref())
             .flatten();
-        st.next_delayed = match release_due(conn, self.config.batch_size, wake).await? {
-            Released::Due(next) => {
-                st.release_held = 0;
-                next
-            }
-            Released::Held => {
-                st.release_held += 1;
-                if st.release_held % RELEASE_HELD_WARN == 0 {
-                    tracing::warn!(
-                        steps = st.release_held,
-                        "due delayed events are held back: their release keeps \
-                        waiting for a lock (an open transaction writing an event with the same id, or other relays)"
-                    );
-                }
-                Some(RELEASE_RETRY)
-            }
+        let (next, held) = match release_due(conn, self.config.batch_size, wake).await? {
+            Released::Due { next, held } => (next, held),
+            Released::Held => (Some(RELEASE_RETRY), true),
         };
+        st.next_delayed = next;
+        if held {
+            st.release_held += 1;
+            if st.release_held % RELEASE_HELD_WARN == 0 {
+                tracing::warn!(
+                    steps = st.release_held,
+                    "due delayed events are held back: their release keeps \
+                    waiting for a lock (an open transaction writing an event with the same id, or other relays)"
+                );
+            }
+        } else {
+            st.release_held = 0;
+        }
         let shards: Vec<i32> = st.shards.iter().copied().collect();
         let started = Instant::now();
         st.last_step = Some(started);
@@ -979,12 +979,13 @@ enum Wake {
 
 /// What the release of due delayed events came to.
 enum Released {
-    /// Done: how long until the next delayed event is due, if one waits.
-    Due(Option<Duration>),
-    /// It waited its most for a lock (`obx.outbox_release_due` has a `lock_timeout`) and left
-    /// its rows for a later step; the relay publishes on meanwhile. Since migration 0023 the
-    /// function catches its own lock waits and leaves only the keys it could not move, so this
-    /// is a defence for a wait outside them.
+    /// Done: how long until the next delayed event is due, if one waits, and whether due
+    /// events were left because their key is held: an event of it could not move without
+    /// waiting for a lock (an open transaction that wrote its id, or another relay), and a
+    /// key's events move in due order (`obx.outbox_release_due`, migration 0023).
+    Due { next: Option<Duration>, held: bool },
+    /// It waited its most for a lock outside the function's own waits, and left its rows for
+    /// a later step; the relay publishes on meanwhile.
     Held,
 }
 
@@ -997,11 +998,11 @@ const RELEASE_HELD_WARN: u32 = 20;
 /// order now), in a transaction of its own, before the claim; wakes the other relays if it
 /// moved any, since their shards may hold them.
 async fn release_due(conn: &mut PgConnection, batch_size: u32, wake: Option<&str>) -> Result<Released> {
-    let row = sqlx::query_as("SELECT released, next_due_ms FROM obx.outbox_release_due($1)")
+    let row = sqlx::query_as("SELECT released, next_due_ms, held FROM obx.outbox_release_due($1)")
         .bind(i32::try_from(batch_size).unwrap_or(i32::MAX))
         .fetch_one(&mut *conn)
         .await;
-    let (released, next_due_ms): (i32, Option<i64>) = match row {
+    let (released, next_due_ms, held): (i32, Option<i64>, i32) = match row {
         Err(e) if crate::db::lock_timed_out(&e) => {
             metrics::counter!("obx_outbox_delayed_release_held_total").increment(1);
             tracing::debug!("releasing due delayed events waited its most for a lock; trying again next step");
@@ -1009,6 +1010,10 @@ async fn release_due(conn: &mut PgConnection, batch_size: u32, wake: Option<&str
         }
         row => row.context("releasing due delayed events")?,
     };
+    if held > 0 {
+        metrics::counter!("obx_outbox_delayed_release_held_total").increment(1);
+        tracing::debug!(held, released, "due delayed events of a held key wait for a later step");
+    }
     if released > 0 {
         metrics::counter!("obx_outbox_delayed_released_total").increment(released as u64);
         if let Some(channel) = wake {
@@ -1018,9 +1023,10 @@ async fn release_due(conn: &mut PgConnection, batch_size: u32, wake: Option<&str
                 .await?;
         }
     }
-    Ok(Released::Due(
-        next_due_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)),
-    ))
+    Ok(Released::Due {
+        next: next_due_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+        held: held > 0,
+    })
 }
 
 fn next_backoff(backoff: &mut Duration, max: Duration) -> Duration {
