@@ -557,6 +557,54 @@ async fn replay_republishes_stored_events_marked_as_replays() {
     host.shutdown().await;
 }
 
+/// A replay sends published events only, and leaves the rest to the relay in its key's order.
+/// It sent any stored row in its range, so that an event could go out before an earlier one of
+/// its key that the relay held (a refused send waiting out its backoff), out of order.
+#[tokio::test]
+async fn a_replay_leaves_unpublished_events_to_the_relay() {
+    let host = spawn_host_with(&["testbed"], |c| c.relay.enabled = false).await;
+    let t = topic("replay");
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "u", "topic": t, "keys": ["a", "a", "b"] }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    // The first of key a was published; the second waits behind nothing but the relay.
+    host.count(
+        "WITH p AS (UPDATE obx.outbox_event SET published_at = now() \
+                    WHERE id = (SELECT min(id) FROM obx.outbox_event) RETURNING 1) \
+         SELECT count(*) FROM p",
+    )
+    .await;
+    let producer = obx::outbox::relay::producer(
+        &host.host.brokers,
+        &Default::default(),
+        &Default::default(),
+        Some(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let kafka = obx::config::KafkaConfig {
+        topic_prefix: host.topic_prefix.clone(),
+        ..Default::default()
+    };
+    let every = obx::outbox::replay::ReplayFilter {
+        from_id: Some(0),
+        ..Default::default()
+    };
+    let sent = obx::outbox::replay::replay(&host.db, &producer, &kafka, &every, 16 << 20)
+        .await
+        .unwrap();
+    assert_eq!(sent, 1, "a replay sent events the relay has not published");
+    // Asked for three, the topic holds the one replayed.
+    let messages = consume(&host.host.brokers.bootstrap, &host.topic(&t), 3, Duration::from_secs(5)).await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].header("obx-replay"), Some("true"));
+    host.shutdown().await;
+}
+
 /// A replay through the admin API with `?parts=true` answers in parts: past half of
 /// `http.request_timeout` it stops at a page's end, every event sent so far acknowledged,
 /// and says where the rest begins; the same filter from there goes on. A long replay was cut

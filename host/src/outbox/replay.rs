@@ -5,6 +5,11 @@
 //! `obx-replay: true`. Consumers deduplicating by `eventId` skip what they have processed;
 //! read models being rebuilt from scratch see every event again, in id order.
 //! `published_at` is not touched.
+//!
+//! Only published events are sent again: an event the relay has not published yet is left to
+//! it, in its key's order. Sent by a replay, it could go out before an earlier event of its
+//! key that the relay holds (a refused send waiting out its backoff, or a relay behind), and
+//! a consumer would take the two out of order.
 
 use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
@@ -97,6 +102,7 @@ pub async fn replay_until(
                AND ($4::timestamptz IS NULL OR o.created_at < $4) \
                AND ($5::text IS NULL OR o.aggregate_type = $5) \
                AND ($6::text IS NULL OR o.aggregate_id = $6) \
+               AND o.published_at IS NOT NULL \
              ORDER BY o.id LIMIT $7"
     );
     // Rows asked for: as for a relay claim, about as many as fitted in the last page.
