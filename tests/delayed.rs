@@ -432,6 +432,49 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     host.shutdown().await;
 }
 
+/// A release reads the due delayed events only, however many wait: it compared `due_at` with
+/// `clock_timestamp()`, which cannot bound an index scan, so every relay step read every
+/// waiting event (100 ms for a million). Counted as the rows and index entries one release reads.
+#[tokio::test]
+async fn a_release_reads_the_due_events_only() {
+    let host = spawn_host_with(&["testbed"], |c| c.relay.enabled = false).await;
+    let waiting = host
+        .count(
+            "WITH w AS (INSERT INTO obx.outbox_delayed (event_id, aggregate_type, aggregate_id, event_type, \
+                 payload, topic, partition_key, created_at, plugin_name, plugin_version, due_at) \
+               SELECT gen_random_uuid(), 'A', 'a', 'Sequenced', '{}', 'testbed.events', 'k' || n % 7, now(), \
+                      'testbed', '1', now() + interval '1 hour' + n * interval '1 ms' \
+               FROM generate_series(1, 10000) n RETURNING 1) SELECT count(*) FROM w",
+        )
+        .await;
+    assert_eq!(waiting, 10_000);
+    // With statistics, as autovacuum keeps them: without, the planner reads the small table whole.
+    sqlx::query("ANALYZE obx.outbox_delayed")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let mut tx = host.db.begin().await.unwrap();
+    let released: i32 = sqlx::query_scalar("SELECT released FROM obx.outbox_release_due(1000)")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(released, 0);
+    // Rows a scan of the table read, and entries a scan of its index returned.
+    let read: i64 = sqlx::query_scalar(
+        "SELECT pg_stat_get_xact_tuples_returned('obx.outbox_delayed'::regclass) \
+              + pg_stat_get_xact_tuples_returned('obx.ix_outbox_delayed_due'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert!(
+        read < 100,
+        "a release with nothing due read {read} of 10,000 waiting events"
+    );
+    tx.rollback().await.unwrap();
+    host.shutdown().await;
+}
+
 /// With no delayed event waiting, the release says so (NULL), and an idle relay waits for a
 /// commit or its poll. It said "due in 0 ms" (greatest() skips a NULL), so every idle relay
 /// stepped at `relay.min_step_interval`: some 400 transactions a second per idle host.

@@ -200,6 +200,44 @@ async fn a_timer_its_handler_schedules_again_fires_again() {
     host.shutdown().await;
 }
 
+/// Taking due timers reads the due ones only, however many are pending: the take compared
+/// `due_at` with `clock_timestamp()`, which cannot bound an index scan, so every poll of every
+/// host read all of the plugin's pending timers (100 ms for a million). Counted as the index
+/// entries one take returns.
+#[tokio::test]
+async fn taking_due_timers_reads_the_due_ones_only() {
+    let host = spawn_host(&["testbed"]).await;
+    let pending = host
+        .count(
+            "WITH p AS (INSERT INTO obx.timer (plugin, name, key, due_at, payload) \
+               SELECT 'testbed', 't', 'k' || n, now() + interval '1 hour', '{}' \
+               FROM generate_series(1, 10000) n RETURNING 1) SELECT count(*) FROM p",
+        )
+        .await;
+    assert_eq!(pending, 10_000);
+    // With statistics, as autovacuum keeps them: without, the planner may read the table whole.
+    sqlx::query("ANALYZE obx.timer").execute(&host.db).await.unwrap();
+    let index = host.count("SELECT 'obx.ix_timer_due'::regclass::oid::bigint").await;
+    let mut session = host.plugin_session("testbed").await;
+    sqlx::Executor::execute(&mut session, "BEGIN").await.unwrap();
+    let taken: i64 = sqlx::query_scalar("SELECT count(*) FROM obx_api.timer_take_traced(32)")
+        .fetch_one(&mut session)
+        .await
+        .unwrap();
+    assert_eq!(taken, 0);
+    let read: i64 = sqlx::query_scalar("SELECT pg_stat_get_xact_tuples_returned($1::oid)")
+        .bind(index)
+        .fetch_one(&mut session)
+        .await
+        .unwrap();
+    assert!(
+        read < 100,
+        "a take with nothing due read {read} of 10,000 pending timers"
+    );
+    sqlx::Executor::execute(&mut session, "ROLLBACK").await.unwrap();
+    host.shutdown().await;
+}
+
 /// A handler that breaks a deferred constraint returns `ok`, and the violation would show
 /// only at the batch's commit: it is checked after the handler instead, as that timer's own
 /// failure, so the timer is parked and the other timers of its batch fire.

@@ -553,7 +553,8 @@ mod tests {
         (20, "90095d4f1c9bb0149b3b3fa90f932439"),
         (21, "4a46a01c8ce08e5aa0d54073eb73709c"),
         (22, "2dce6cb60854b7f5f9f3246907eea921"),
-        (23, "25d0b2aa70a59278ad6b4ac1d1de137f"),
+        (23, "be1cb1497013f1f35beb5af7f366a72c"),
+        (24, "07642e6b887df6d4ca8873f740e1a9ab"),
     ];
 
     #[test]
