@@ -269,6 +269,37 @@ async fn a_timer_whose_handler_breaks_a_deferred_constraint_is_parked_alone() {
     host.shutdown().await;
 }
 
+/// A handler that breaks a deferred constraint for a moment and mends it before it returns
+/// fires at its first attempt wherever it stands in its batch: the check after a handler
+/// leaves the constraints deferred for the next one. It made them immediate for the rest of
+/// the batch, so that each such timer after the first failed its first attempt.
+#[tokio::test]
+async fn a_timer_that_mends_a_deferred_constraint_fires_at_once_anywhere_in_its_batch() {
+    let host = spawn_host(&["testbed"]).await;
+    for i in 0..4 {
+        let body =
+            json!({ "name": "t", "key": format!("k{i}"), "delay_ms": 60_000, "payload": { "defer_then_mend": true } });
+        assert_eq!(schedule(&host, body).await, 200);
+    }
+    // Due together, so that one batch takes all four.
+    let due = host
+        .count("WITH u AS (UPDATE obx.timer SET due_at = now() RETURNING 1) SELECT count(*) FROM u")
+        .await;
+    assert_eq!(due, 4);
+    eventually(Duration::from_secs(20), "the four timers fire", || async {
+        fired(&host).await == 4
+    })
+    .await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.timers_fired WHERE attempt > 1")
+            .await,
+        0,
+        "a timer failed its first attempt"
+    );
+    assert_eq!(host.count("SELECT count(*) FROM testbed.deferred").await, 4);
+    host.shutdown().await;
+}
+
 /// A batch whose commit the database refuses charges none of its timers: they fire again one
 /// per transaction, and only the timer whose work cannot commit is charged. Here one timer of
 /// six emits an event over the payload limit that another host, with smaller limits, recorded

@@ -155,6 +155,12 @@ async fn changes_one(pool: &sqlx::PgPool, statement: &str, id: &TimerId) -> sqlx
     Ok(done.rows_affected() == 1)
 }
 
+/// Checks the deferred constraints now, and leaves them deferred: `SET CONSTRAINTS ALL
+/// IMMEDIATE` alone made them immediate for the rest of the transaction, so that a later
+/// handler of the batch whose work breaks one for a moment failed.
+const CHECK_DEFERRED: &str = "SAVEPOINT obx_check; SET CONSTRAINTS ALL IMMEDIATE; \
+    ROLLBACK TO SAVEPOINT obx_check; RELEASE SAVEPOINT obx_check";
+
 /// A due timer, as `obx_api.timer_take_traced` returns it.
 #[derive(sqlx::FromRow)]
 struct Due {
@@ -434,9 +440,11 @@ impl TimerService {
         {
             Ok((mut back, emitted)) => {
                 // Deferred constraints are checked here, as this timer's own failure, not at
-                // the batch's commit.
+                // the batch's commit. The check runs in a savepoint rolled back after it, which
+                // puts the constraints' modes back (and the checks, for the commit): the next
+                // handler of the batch finds its deferred constraints deferred.
                 let ended = async {
-                    back.execute("SET CONSTRAINTS ALL IMMEDIATE").await?;
+                    back.execute(CHECK_DEFERRED).await?;
                     sqlx::query("SELECT obx_api.timer_done($1, $2, $3)")
                         .bind(&due.name)
                         .bind(&due.key)

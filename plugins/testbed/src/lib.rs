@@ -591,8 +591,8 @@ fn schedule(p: &Value) -> Result<String, HandlerError> {
 
 /// Records each firing; fails when the payload says `fail`, schedules a follow-up timer when
 /// it names `then` (`{"then": {"name", "delay_ms", "cancel_first"}}`), emits when it holds
-/// `emit` (the `emit` command's arguments), and breaks a deferred constraint when it says
-/// `defer_violation`.
+/// `emit` (the `emit` command's arguments), breaks a deferred constraint when it says
+/// `defer_violation`, and breaks and mends one when it says `defer_then_mend`.
 impl obx_sdk::TimerGuest for Testbed {
     fn handle_timer(timer: obx_sdk::Timer) -> Result<(), HandlerError> {
         let payload: Value = serde_json::from_str(&timer.payload).unwrap_or(Value::Null);
@@ -627,6 +627,14 @@ impl obx_sdk::TimerGuest for Testbed {
                 "INSERT INTO deferred (id) VALUES ($1), ($1)",
                 &[SqlValue::Text(timer.key.clone())],
             )?;
+        }
+        // Breaks a deferred constraint for a moment, and mends it before returning: fine while
+        // the constraint is deferred, refused at once if it were immediate.
+        if payload["defer_then_mend"].as_bool() == Some(true) {
+            let key = [SqlValue::Text(timer.key.clone())];
+            execute("INSERT INTO deferred (id) VALUES ($1), ($1)", &key)?;
+            execute("DELETE FROM deferred WHERE id = $1", &key)?;
+            execute("INSERT INTO deferred (id) VALUES ($1)", &key)?;
         }
         if payload["fail"].as_bool() == Some(true) {
             return Err(HandlerError::Failed("the testbed's timer failed".into()));
