@@ -197,6 +197,66 @@ async fn values_travel_typed_in_both_directions() {
     host.shutdown().await;
 }
 
+/// Parameters whose size the plugin chooses cost the host their size, not more, and come back
+/// in errors only in part. A 16 MiB number was parsed in time that grows with the square of
+/// its length (a minute on a worker thread); JSON was built into a tree of about 16 times its
+/// size; and Postgres's error, which quotes the value whole, was copied and logged whole.
+#[tokio::test]
+async fn hostile_parameters_cost_their_size_and_come_back_short() {
+    let host = spawn_host(&["testbed"]).await;
+    let answer = |params: Value, sql: &'static str| {
+        let host = &host;
+        async move {
+            host.command("testbed", "sql", json!({ "sql": sql, "params": params }))
+                .await
+        }
+    };
+    // Longer than any numeric Postgres holds: refused before it is parsed.
+    let a = answer(json!([{ "numeric": "7".repeat(200_000) }]), "SELECT $1::numeric").await;
+    assert_eq!(
+        (a.status, &a.body["error"]["reason"]),
+        (409, &json!("invalid")),
+        "{}",
+        a.text
+    );
+    assert!(a.text.contains("147500") && a.text.len() < 2_000, "{}", a.text);
+    // Eight that each fit, over the budget of one statement.
+    let eight: Vec<Value> = (0..8).map(|_| json!({ "numeric": "7".repeat(125_500) })).collect();
+    let a = answer(json!(eight), "SELECT $1::numeric").await;
+    assert_eq!(a.body["error"]["reason"], json!("invalid"), "{}", a.text);
+    assert!(a.text.contains("in all") && a.text.len() < 2_000, "{}", a.text);
+    // The largest a numeric holds still goes through.
+    let a = answer(
+        json!([{ "numeric": format!("{}.5", "9".repeat(131_000)) }]),
+        "SELECT length($1::numeric::text)",
+    )
+    .await;
+    assert_eq!((a.status, &a.body["rows"][0]), (200, &json!([131_002])), "{}", a.text);
+    // JSON travels as its text, into jsonb.
+    let array = format!("[{}0]", "0,".repeat(99_999));
+    let a = answer(json!([{ "json": array }]), "SELECT jsonb_array_length($1)::int8").await;
+    assert_eq!((a.status, &a.body["rows"][0]), (200, &json!([100_000])), "{}", a.text);
+    // A malformed value, and Postgres's error quoting 900 KB of text (a command's body holds
+    // 1 MiB): both come back short.
+    let a = answer(json!([{ "uuid": "x".repeat(900_000) }]), "SELECT $1::uuid").await;
+    assert_eq!(
+        a.body["error"]["reason"],
+        json!("invalid"),
+        "{}",
+        &a.text[..a.text.len().min(300)]
+    );
+    assert!(a.text.len() < 2_000, "{} bytes", a.text.len());
+    let a = answer(json!(["x".repeat(900_000)]), "SELECT $1::int").await;
+    assert_eq!(
+        a.body["error"]["reason"],
+        json!("database:22P02"),
+        "{}",
+        &a.text[..a.text.len().min(300)]
+    );
+    assert!(a.text.len() < 10_000, "{} bytes", a.text.len());
+    host.shutdown().await;
+}
+
 /// Postgres reads `(x).f` as the call `f(x)`, which a parser sees as a field: refused unless
 /// it is a column's field, and never with a denied function's name. Temporary objects, and
 /// statements too large or too deep to walk safely, are refused too; the host keeps serving

@@ -119,6 +119,8 @@ const MAX_COMMANDS: usize = 1024;
 const MAX_SUBSCRIPTIONS: usize = 256;
 const MAX_SUBSCRIBED_TYPES: usize = 1024;
 const MAX_MIGRATIONS: usize = 10_000;
+/// The longest name of a migration, in bytes.
+const MAX_MIGRATION_NAME: usize = 200;
 
 impl Manifest {
     /// The plugin's Postgres schema.
@@ -208,8 +210,13 @@ impl Manifest {
             if i32::try_from(m.id).is_err() {
                 return Err(format!("migration id {} is over {}", m.id, i32::MAX));
             }
-            if m.name.is_empty() {
-                return Err(format!("migration {} has no name", m.id));
+            // A name is quoted in errors, logs, `last_error` and `/v1/plugins`, and recorded.
+            if m.name.is_empty() || m.name.len() > MAX_MIGRATION_NAME {
+                return Err(format!(
+                    "migration {} needs a name of 1-{MAX_MIGRATION_NAME} bytes ({} bytes given)",
+                    m.id,
+                    m.name.len()
+                ));
             }
             m.statements = sql_policy::check_migration(&m.sql, &self.name, max_statement_bytes)
                 .map_err(|e| format!("migration {} ({}): {e}", m.id, m.name))?;
@@ -483,6 +490,12 @@ mod tests {
                     })
                 }),
                 "is over",
+            ),
+            (Box::new(|m| m.migrations[0].name = "".into()), "needs a name"),
+            // Quoted in errors, logs and the plugins' status: 100 MiB names were kept whole.
+            (
+                Box::new(|m| m.migrations[0].name = "n".repeat(201)),
+                "of 1-200 bytes (201 bytes given)",
             ),
         ];
         for (change, needle) in cases {

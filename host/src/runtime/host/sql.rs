@@ -22,6 +22,7 @@ use crate::runtime::bindings::sql::{self as wit, DatabaseError, Host, RowSet, Sq
 use crate::runtime::bindings::types::SqlValue;
 use crate::runtime::state::CallState;
 use crate::sql_policy::PolicyError;
+use crate::text::{clipped, shown};
 
 enum Mode {
     Query,
@@ -173,13 +174,18 @@ fn describe(e: &SqlError) -> String {
     }
 }
 
+/// The most of a database error's message the plugin gets, and the host logs: Postgres quotes
+/// the offending value whole (`SELECT $1::int` with 100 MiB of text), and the message was
+/// copied and logged whole, more than once.
+const MAX_DB_MESSAGE: usize = 4096;
+
 fn map_error(e: sqlx::Error) -> SqlError {
     match e {
         sqlx::Error::Database(db) => {
             let Some(pg) = db.try_downcast_ref::<PgDatabaseError>() else {
                 return SqlError::Database(DatabaseError {
                     code: db.code().map(|c| c.into_owned()).unwrap_or_default(),
-                    message: db.message().to_string(),
+                    message: clipped(db.message(), MAX_DB_MESSAGE).into_owned(),
                     constraint: db.constraint().map(str::to_string),
                 });
             };
@@ -188,13 +194,13 @@ fn map_error(e: sqlx::Error) -> SqlError {
                 "55P03" => SqlError::Timeout("the statement waited too long for a lock (lock_timeout)".into()),
                 code => SqlError::Database(DatabaseError {
                     code: code.to_string(),
-                    message: pg.message().to_string(),
+                    message: clipped(pg.message(), MAX_DB_MESSAGE).into_owned(),
                     constraint: pg.constraint().map(str::to_string),
                 }),
             }
         }
         sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::Encode(_) => {
-            SqlError::Invalid(e.to_string())
+            SqlError::Invalid(clipped(&e.to_string(), MAX_DB_MESSAGE).into_owned())
         }
         _ => SqlError::Database(DatabaseError {
             code: "08006".into(),
@@ -219,10 +225,20 @@ impl Encode<'_, Postgres> for UntypedNull {
     }
 }
 
-/// Binds every parameter and returns the arguments with their type signature.
+/// The longest text of a `numeric` parameter: Postgres's own limit (131,072 digits before the
+/// point, 16,383 after), with room for a sign, a point and an exponent. Parsing a decimal costs
+/// the square of its length: a 16 MiB one held a worker thread for about a minute.
+const MAX_NUMERIC_CHARS: usize = 147_500;
+/// The text of all `numeric` parameters of one statement, together: each costs the square of
+/// its length, so that many long ones held a worker for seconds.
+const MAX_NUMERIC_CHARS_PER_STATEMENT: usize = 1_000_000;
+
+/// Binds every parameter and returns the arguments with their type signature. The values are
+/// the plugin's: each is checked, and quoted in an error only in part ([`crate::text::shown`]).
 fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
     let mut args = PgArguments::default();
     let mut signature = String::with_capacity(params.len());
+    let mut numeric_chars = 0usize;
     for (i, value) in params.into_iter().enumerate() {
         let n = i + 1;
         let added = match value {
@@ -232,28 +248,45 @@ fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
             SqlValue::Float(v) => add(&mut args, &mut signature, 'f', v),
             SqlValue::Text(s) => add(&mut args, &mut signature, 't', s),
             SqlValue::Bytes(b) => add(&mut args, &mut signature, 'y', b),
+            // Checked and sent as the text it is: parsed into a tree, 120 MiB of `[0,0,…]`
+            // took about 2 GiB of the host's memory.
             SqlValue::Json(s) => {
-                let v: serde_json::Value =
-                    serde_json::from_str(&s).map_err(|e| format!("parameter ${n} is not valid JSON: {e}"))?;
+                let v = serde_json::value::RawValue::from_string(s)
+                    .map_err(|e| format!("parameter ${n} is not valid JSON: {e}"))?;
                 add(&mut args, &mut signature, 'j', sqlx::types::Json(v))
             }
             SqlValue::Uuid(s) => {
-                let v = Uuid::parse_str(&s).map_err(|_| format!("parameter ${n} ({s:?}) is not a UUID"))?;
+                let v = Uuid::parse_str(&s).map_err(|_| format!("parameter ${n} ({}) is not a UUID", shown(&s)))?;
                 add(&mut args, &mut signature, 'u', v)
             }
             SqlValue::Timestamp(s) => {
                 let v = DateTime::parse_from_rfc3339(&s)
-                    .map_err(|_| format!("parameter ${n} ({s:?}) is not an RFC 3339 timestamp"))?
+                    .map_err(|_| format!("parameter ${n} ({}) is not an RFC 3339 timestamp", shown(&s)))?
                     .with_timezone(&Utc);
                 add(&mut args, &mut signature, 's', v)
             }
             SqlValue::Date(s) => {
                 let v = NaiveDate::parse_from_str(&s, "%Y-%m-%d")
-                    .map_err(|_| format!("parameter ${n} ({s:?}) is not a YYYY-MM-DD date"))?;
+                    .map_err(|_| format!("parameter ${n} ({}) is not a YYYY-MM-DD date", shown(&s)))?;
                 add(&mut args, &mut signature, 'd', v)
             }
             SqlValue::Numeric(s) => {
-                let v = BigDecimal::from_str(&s).map_err(|_| format!("parameter ${n} ({s:?}) is not a number"))?;
+                numeric_chars += s.len();
+                if s.len() > MAX_NUMERIC_CHARS {
+                    return Err(format!(
+                        "parameter ${n} is a number of {} characters; Postgres's numeric holds at most \
+                         {MAX_NUMERIC_CHARS}",
+                        s.len()
+                    ));
+                }
+                if numeric_chars > MAX_NUMERIC_CHARS_PER_STATEMENT {
+                    return Err(format!(
+                        "the numeric parameters of one statement may hold {MAX_NUMERIC_CHARS_PER_STATEMENT} \
+                         characters in all"
+                    ));
+                }
+                let v =
+                    BigDecimal::from_str(&s).map_err(|_| format!("parameter ${n} ({}) is not a number", shown(&s)))?;
                 add(&mut args, &mut signature, 'n', v)
             }
         };
