@@ -562,8 +562,15 @@ async fn replay_republishes_stored_events_marked_as_replays() {
 /// its key that the relay held (a refused send waiting out its backoff), out of order.
 #[tokio::test]
 async fn a_replay_leaves_unpublished_events_to_the_relay() {
-    let host = spawn_host_with(&["testbed"], |c| c.relay.enabled = false).await;
+    let broker = broker();
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.enabled = false;
+    })
+    .await;
     let t = topic("replay");
+    // Nobody published to it yet: a broker that does not create topics on use needs it.
+    broker.create_topic(&host.topic(&t)).await;
     let a = host
         .command(
             "testbed",
