@@ -120,6 +120,8 @@ pub(crate) struct PluginIdentity {
     /// Its metric handles, registered at its first call (so a placeholder identity that
     /// only reads a manifest registers none).
     metrics: std::sync::OnceLock<call_metrics::CallMetrics>,
+    /// The log lines it may still write this second, over all its calls.
+    pub(crate) log_budget: host::log::LogBudget,
 }
 
 /// Verdicts of the SQL policy by statement text, bounded in entries and in bytes: when
@@ -153,6 +155,7 @@ impl PluginIdentity {
             }),
             statements: Mutex::new(VerdictCache::default()),
             metrics: std::sync::OnceLock::new(),
+            log_budget: Default::default(),
         }
     }
 

@@ -1,7 +1,7 @@
 //! The host side of each `obx:plugin` import, one file per WIT interface.
 
 pub(crate) mod contract;
-mod log;
+pub(crate) mod log;
 mod outbox;
 mod sql;
 mod timers;
