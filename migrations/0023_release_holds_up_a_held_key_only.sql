@@ -8,10 +8,10 @@
 -- Now the one statement waits 50 ms at most. When it runs out of lock time, the release takes
 -- the due events one at a time, in due order, each in a subtransaction that waits for no
 -- other relay's lock (NOWAIT) and 5 ms at most for a twin. An event that cannot move stays,
--- and so does every later event of its key in this step, since a key's events enter the
--- outbox in due order; the events of other keys move. At most 32 events are tried a step
+-- and so does every later event of its topic and key in this step, since a key's events enter
+-- the outbox in due order; the events of other keys move. At most 32 events are tried a step
 -- (those of a held key are passed over, not tried), so that the subtransactions stay within
--- what each backend keeps in shared memory (64). `held` says how many due events were left
+-- what each backend keeps in shared memory (64), and at most 10,000 due events are looked at. `held` says how many due events were left
 -- because their key was held; when every due event was seen and some were held, the next
 -- step is asked for in 100 ms at the soonest, not at once. The due time is compared with the
 -- clock read once, so that the index scan stops at the first event not due: with
@@ -25,7 +25,9 @@ CREATE FUNCTION obx.outbox_release_due(p_limit integer, OUT released integer, OU
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET lock_timeout = '50ms' AS $$
 DECLARE
     v_due    obx.outbox_delayed;
+    -- Held keys, as topic, newline, key (a topic name holds no newline).
     v_keys   text[] := '{}';
+    v_seen   integer := 0;
     v_tried  integer := 0;
     v_capped boolean := false;
     v_n      integer;
@@ -57,7 +59,12 @@ BEGIN
             SELECT * FROM obx.outbox_delayed d WHERE d.due_at <= v_now
             ORDER BY d.due_at, d.seq
         LOOP
-            IF v_due.partition_key = ANY (v_keys) THEN
+            v_seen := v_seen + 1;
+            IF v_seen > 10000 THEN
+                v_capped := true;
+                EXIT;
+            END IF;
+            IF v_due.topic || E'\n' || v_due.partition_key = ANY (v_keys) THEN
                 held := held + 1;
                 CONTINUE;
             END IF;
@@ -81,7 +88,7 @@ BEGIN
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 released := released + v_n;
             EXCEPTION WHEN lock_not_available THEN
-                v_keys := v_keys || v_due.partition_key;
+                v_keys := v_keys || (v_due.topic || E'\n' || v_due.partition_key);
                 held := held + 1;
             END;
         END LOOP;

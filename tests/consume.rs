@@ -755,11 +755,12 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
 
 /// A claim made while another session holds an event's row, recording that event's failed
 /// attempt (a processor whose claim's transaction was lost records it apart), stops before
-/// that event: the events behind it on its key wait too, whether the record commits before
-/// the claim sees it or after. The claim used to wait for the row, then drop the event from
-/// its batch once it saw the attempt, but let the events behind it in, by a stop it had fixed
-/// before the wait: they ran before it, out of their key's order (CI once saw A5 run while A4
-/// was parked). It now waits for no row but the head's.
+/// that event: the events behind it on its key wait too. (Here the record commits after the
+/// claim; one that commits between the claim's two statements is seen by the second, which
+/// stops at any unprocessed event the claim does not hold.) The claim used to wait for the
+/// row, then drop the event from its batch once it saw the attempt, but let the events behind
+/// it in, by a stop it had fixed before the wait: they ran before it, out of their key's order
+/// (CI once saw A5 run while A4 was parked). It now waits for no row but the head's.
 #[tokio::test]
 async fn a_claim_that_meets_an_attempt_being_recorded_stops_before_its_event() {
     let broker = broker();

@@ -236,6 +236,12 @@ async fn hostile_parameters_cost_their_size_and_come_back_short() {
     let array = format!("[{}0]", "0,".repeat(99_999));
     let a = answer(json!([{ "json": array }]), "SELECT jsonb_array_length($1)::int8").await;
     assert_eq!((a.status, &a.body["rows"][0]), (200, &json!([100_000])), "{}", a.text);
+    // What jsonb refuses is refused before the statement, which would fail the call.
+    let a = answer(json!([{ "json": r#"["\ud800"]"# }]), "SELECT $1::jsonb").await;
+    assert_eq!(a.body["error"]["reason"], json!("invalid"), "{}", a.text);
+    // Numbers reach jsonb as written.
+    let a = answer(json!([{ "json": "[1.50]" }]), "SELECT ($1::jsonb)::text").await;
+    assert_eq!((a.status, &a.body["rows"][0]), (200, &json!(["[1.50]"])), "{}", a.text);
     // A malformed value, and Postgres's error quoting 900 KB of text (a command's body holds
     // 1 MiB): both come back short.
     let a = answer(json!([{ "uuid": "x".repeat(900_000) }]), "SELECT $1::uuid").await;

@@ -155,11 +155,15 @@ async fn changes_one(pool: &sqlx::PgPool, statement: &str, id: &TimerId) -> sqlx
     Ok(done.rows_affected() == 1)
 }
 
-/// Checks the deferred constraints now, and leaves them deferred: `SET CONSTRAINTS ALL
-/// IMMEDIATE` alone made them immediate for the rest of the transaction, so that a later
-/// handler of the batch whose work breaks one for a moment failed.
-const CHECK_DEFERRED: &str = "SAVEPOINT obx_check; SET CONSTRAINTS ALL IMMEDIATE; \
-    ROLLBACK TO SAVEPOINT obx_check; RELEASE SAVEPOINT obx_check";
+/// Checks the deferred constraints now, then defers every deferrable constraint again for the
+/// next handler of the batch. `SET CONSTRAINTS ALL IMMEDIATE` alone left them immediate for
+/// the rest of the transaction, so that a later handler whose work breaks one for a moment
+/// failed. (Rolling back to a savepoint around the check restores the modes too, but marks
+/// the checks undone: every later handler's check ran all the earlier ones again, n²/2 for
+/// n timers.) A constraint declared `DEFERRABLE INITIALLY IMMEDIATE` is deferred too for the
+/// later handlers: its violation then shows at this check, after the handler, as that timer's
+/// failure, rather than at the statement, which fails the timer the same way.
+const CHECK_DEFERRED: &str = "SET CONSTRAINTS ALL IMMEDIATE; SET CONSTRAINTS ALL DEFERRED";
 
 /// A due timer, as `obx_api.timer_take_traced` returns it.
 #[derive(sqlx::FromRow)]
@@ -393,8 +397,8 @@ impl TimerService {
         for due in done {
             let attempt = attempt_of(due);
             let park = attempt >= self.config.max_attempts;
-            tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
-                error = %error, "a timer's work could not commit");
+            tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+                error = ?error, "a timer's work could not commit");
             self.record_failure(&mut fresh, due, attempt, &error, park).await?;
         }
         fresh.commit().await?;
@@ -440,9 +444,7 @@ impl TimerService {
         {
             Ok((mut back, emitted)) => {
                 // Deferred constraints are checked here, as this timer's own failure, not at
-                // the batch's commit. The check runs in a savepoint rolled back after it, which
-                // puts the constraints' modes back (and the checks, for the commit): the next
-                // handler of the batch finds its deferred constraints deferred.
+                // the batch's commit; the next handler of the batch finds them deferred.
                 let ended = async {
                     back.execute(CHECK_DEFERRED).await?;
                     sqlx::query("SELECT obx_api.timer_done($1, $2, $3)")
@@ -473,8 +475,8 @@ impl TimerService {
                     // No call slot: the host is overloaded, the timer is not at fault.
                     return Ok(Fired::Busy(back));
                 }
-                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
-                    error = %failure.error, "a timer handler failed");
+                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+                    error = ?failure.error, "a timer handler failed");
                 self.record_failure(&mut back, due, attempt, &failure.error, park)
                     .await?;
                 Ok(Fired::Failed(back))
@@ -486,8 +488,8 @@ impl TimerService {
                 if let Some(session) = lost {
                     session.abandon();
                 }
-                tracing::warn!(plugin = %name, timer = %due.name, key = %due.key, attempt, park,
-                    error = %failure.error, "a timer handler failed and took its transaction with it");
+                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+                    error = ?failure.error, "a timer handler failed and took its transaction with it");
                 let mut fresh = self.dispatcher.sessions.begin(name).await?;
                 self.record_failure(&mut fresh, due, attempt, &failure.error, park)
                     .await?;

@@ -119,8 +119,9 @@ const MAX_COMMANDS: usize = 1024;
 const MAX_SUBSCRIPTIONS: usize = 256;
 const MAX_SUBSCRIBED_TYPES: usize = 1024;
 const MAX_MIGRATIONS: usize = 10_000;
-/// The longest name of a migration, in bytes.
-const MAX_MIGRATION_NAME: usize = 200;
+/// The longest name of a migration, in bytes: far above any name seen, so that no applied
+/// migration's name is refused now, and far below the 100 MiB that were kept whole.
+const MAX_MIGRATION_NAME: usize = 1024;
 
 impl Manifest {
     /// The plugin's Postgres schema.
@@ -211,9 +212,10 @@ impl Manifest {
                 return Err(format!("migration id {} is over {}", m.id, i32::MAX));
             }
             // A name is quoted in errors, logs, `last_error` and `/v1/plugins`, and recorded.
-            if m.name.is_empty() || m.name.len() > MAX_MIGRATION_NAME {
+            if m.name.is_empty() || m.name.len() > MAX_MIGRATION_NAME || m.name.chars().any(char::is_control) {
                 return Err(format!(
-                    "migration {} needs a name of 1-{MAX_MIGRATION_NAME} bytes ({} bytes given)",
+                    "migration {} needs a name of 1-{MAX_MIGRATION_NAME} bytes with no control characters \
+                     ({} bytes given)",
                     m.id,
                     m.name.len()
                 ));
@@ -494,8 +496,12 @@ mod tests {
             (Box::new(|m| m.migrations[0].name = "".into()), "needs a name"),
             // Quoted in errors, logs and the plugins' status: 100 MiB names were kept whole.
             (
-                Box::new(|m| m.migrations[0].name = "n".repeat(201)),
-                "of 1-200 bytes (201 bytes given)",
+                Box::new(|m| m.migrations[0].name = "n".repeat(1025)),
+                "of 1-1024 bytes with no control characters (1025 bytes given)",
+            ),
+            (
+                Box::new(|m| m.migrations[0].name = "a\nb".into()),
+                "no control characters",
             ),
         ];
         for (change, needle) in cases {

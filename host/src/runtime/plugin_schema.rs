@@ -395,9 +395,9 @@ fn check_applied(manifest: &Manifest, applied: &[(i32, Vec<u8>)]) -> Result<Opti
     Ok(last_applied)
 }
 
-/// The database's own words about a failed migration statement, for the operator.
-/// A migration's database error, in part: Postgres may quote a value whole, and the message is
-/// logged, kept in `last_error` and served by `/v1/plugins`.
+/// The database's own words about a failed migration statement, for the operator, in part:
+/// Postgres may quote a value whole, and the message is logged, kept in `last_error` and
+/// served by `/v1/plugins`.
 fn db_message(e: &sqlx::Error) -> String {
     let message = match e {
         sqlx::Error::Database(d) => format!("{} ({})", d.message(), d.code().unwrap_or_default()),

@@ -47,22 +47,49 @@ impl LogBudget {
     }
 }
 
-/// `message` with its control characters escaped (`\n`, `\u{1b}`): in the text format a
-/// plugin's newline began a line that read as the host's own, and terminal escapes reached the
+/// Whether `c` is escaped in a plugin's log line: a control character, a line or paragraph
+/// separator, or a bidirectional override or isolate (which reorder what a terminal shows).
+fn escapes(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `message` with those characters escaped (`\\n`, `\\u{1b}`): in the text format a plugin's
+/// newline began a line that read as the host's own, and terminal escapes reached the
 /// operator's terminal.
 fn escaped(message: &str) -> Cow<'_, str> {
-    if !message.chars().any(char::is_control) {
+    if !message.chars().any(escapes) {
         return message.into();
     }
     let mut out = String::with_capacity(message.len() + 16);
     for c in message.chars() {
-        if c.is_control() {
+        if escapes(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
         }
     }
     out.into()
+}
+
+/// The line a plugin's `message` is logged as: cut at [`MAX_LINE_BYTES`], escaped, and cut
+/// there again (escapes lengthen it up to six times; escaping the whole of a 100 MB message
+/// first would take 600 MB).
+fn line(message: &str) -> String {
+    let mut line = escaped(prefix(message, MAX_LINE_BYTES)).into_owned();
+    if line.len() > MAX_LINE_BYTES || message.len() > MAX_LINE_BYTES {
+        line.truncate(prefix(&line, MAX_LINE_BYTES).len());
+        line.push_str(" [truncated]");
+    }
+    line
+}
+
+/// The longest start of `text` of at most `max` bytes that ends on a character's boundary.
+fn prefix(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 impl Host for CallState {
@@ -85,16 +112,7 @@ impl Host for CallState {
             }
             Budget::Over => return,
         }
-        let mut message = message;
-        if message.len() > MAX_LINE_BYTES {
-            let mut cut = MAX_LINE_BYTES;
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            message.truncate(cut);
-            message.push_str(" [truncated]");
-        }
-        let message = escaped(&message);
+        let message = line(&message);
         match level {
             Level::Trace => tracing::trace!(target: "obx::plugin", plugin, version, call, "{message}"),
             Level::Debug => tracing::debug!(target: "obx::plugin", plugin, version, call, "{message}"),
@@ -109,7 +127,7 @@ impl Host for CallState {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{escaped, Budget, LogBudget, MAX_LINES_PER_SECOND};
+    use super::{escaped, line, Budget, LogBudget, MAX_LINES_PER_SECOND, MAX_LINE_BYTES};
 
     #[test]
     fn a_plugins_lines_are_bounded_per_second_over_its_calls() {
@@ -130,5 +148,10 @@ mod tests {
             escaped("ok\n2026-12-05T07:00:00Z  INFO obx::app: forged\u{1b}[2J"),
             "ok\\n2026-12-05T07:00:00Z  INFO obx::app: forged\\u{1b}[2J"
         );
+        assert_eq!(escaped("a\u{2028}b\u{202e}c"), r"a\u{2028}b\u{202e}c");
+        // Cut to the limit before and after escaping.
+        let long = line(&"\n".repeat(10 * MAX_LINE_BYTES));
+        assert!(long.len() <= MAX_LINE_BYTES + " [truncated]".len() && long.ends_with(" [truncated]"));
+        assert_eq!(line("short"), "short");
     }
 }

@@ -249,10 +249,15 @@ fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
             SqlValue::Text(s) => add(&mut args, &mut signature, 't', s),
             SqlValue::Bytes(b) => add(&mut args, &mut signature, 'y', b),
             // Checked and sent as the text it is: parsed into a tree, 120 MiB of `[0,0,…]`
-            // took about 2 GiB of the host's memory.
+            // took about 2 GiB of the host's memory. What `jsonb` would refuse is refused
+            // here, as before, where the statement would fail the call. Numbers reach `jsonb`
+            // as written (through the tree they went by a double: 1.50 became 1.5).
             SqlValue::Json(s) => {
                 let v = serde_json::value::RawValue::from_string(s)
                     .map_err(|e| format!("parameter ${n} is not valid JSON: {e}"))?;
+                if let Some(reason) = crate::jsonb::refusal(v.get()) {
+                    return Err(format!("parameter ${n} cannot be jsonb: {reason}"));
+                }
                 add(&mut args, &mut signature, 'j', sqlx::types::Json(v))
             }
             SqlValue::Uuid(s) => {
