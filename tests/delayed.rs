@@ -291,6 +291,36 @@ fn emit_later(
     .bind(delay_ms)
 }
 
+/// The race a twin comes from: `a` writes a delayed event of id `twin` due at once; `b`'s
+/// emit of the same id waits for `a`, and goes through when `a` commits. Returns `b`, which
+/// keeps its transaction open, holding the twin.
+async fn open_twin(
+    host: &TestHost,
+    a: &mut sqlx::PgConnection,
+    mut b: sqlx::PgConnection,
+    twin: uuid::Uuid,
+) -> sqlx::PgConnection {
+    sqlx::query("BEGIN").execute(&mut *a).await.unwrap();
+    emit_later(twin, 0).execute(&mut *a).await.unwrap();
+    // The wait for `a` may outlast the role's lock timeout on a slow machine.
+    sqlx::raw_sql("BEGIN; SET LOCAL lock_timeout = '30s'")
+        .execute(&mut b)
+        .await
+        .unwrap();
+    let racing = tokio::spawn(async move {
+        let written = emit_now(twin).execute(&mut b).await;
+        (b, written)
+    });
+    eventually(Duration::from_secs(10), "b's emit waits for a", || async {
+        host.lock_waits().await >= 1
+    })
+    .await;
+    sqlx::query("COMMIT").execute(&mut *a).await.unwrap();
+    let (b, written) = racing.await.unwrap();
+    written.expect("the racing emit goes through");
+    b
+}
+
 /// A delayed event's id is its own while it waits: another emit of it is refused, with the
 /// reason (it used to make the delayed event vanish at its release). A transaction that still
 /// wrote it, racing the delayed event's own commit, and stays open does not stop the relay:
@@ -311,23 +341,8 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
     let refused = emit_now(waiting).execute(&mut b).await.unwrap_err();
     assert!(refused.to_string().contains("taken by a delayed event"), "{refused}");
 
-    // The race: `a` writes a delayed event due at once; `b`'s emit of the same id waits for
-    // `a`, and goes through when `a` commits. `b` then keeps its transaction open.
     let twin = uuid::Uuid::new_v4();
-    sqlx::query("BEGIN").execute(&mut a).await.unwrap();
-    emit_later(twin, 0).execute(&mut a).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut b).await.unwrap();
-    let racing = tokio::spawn(async move {
-        let written = emit_now(twin).execute(&mut b).await;
-        (b, written)
-    });
-    eventually(Duration::from_secs(10), "b's emit waits for a", || async {
-        host.lock_waits().await >= 1
-    })
-    .await;
-    sqlx::query("COMMIT").execute(&mut a).await.unwrap();
-    let (mut b, written) = racing.await.unwrap();
-    written.expect("the racing emit goes through");
+    let mut b = open_twin(&host, &mut a, b, twin).await;
 
     let seq = sequenced(&host, "other", None).await;
     eventually(Duration::from_secs(10), "another event published meanwhile", || async {
@@ -368,25 +383,9 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     })
     .await;
     let mut a = host.plugin_session("testbed").await;
-    let mut b = host.plugin_session("testbed").await;
+    let b = host.plugin_session("testbed").await;
     let twin = uuid::Uuid::new_v4();
-    sqlx::query("BEGIN").execute(&mut a).await.unwrap();
-    emit_later(twin, 0).execute(&mut a).await.unwrap();
-    sqlx::raw_sql("BEGIN; SET LOCAL lock_timeout = '30s'")
-        .execute(&mut b)
-        .await
-        .unwrap();
-    let racing = tokio::spawn(async move {
-        let written = emit_now(twin).execute(&mut b).await;
-        (b, written)
-    });
-    eventually(Duration::from_secs(10), "b's emit waits for a", || async {
-        host.lock_waits().await >= 1
-    })
-    .await;
-    sqlx::query("COMMIT").execute(&mut a).await.unwrap();
-    let (mut b, written) = racing.await.unwrap();
-    written.expect("the racing emit goes through");
+    let mut b = open_twin(&host, &mut a, b, twin).await;
 
     // Delayed events due after the held one (a delay of 0 publishes at once): 41 of its key,
     // then one of another.

@@ -494,6 +494,22 @@ async fn obx_kafkajs_and_the_java_hash_put_each_key_on_the_same_partition() {
     host.shutdown().await;
 }
 
+/// A producer and Kafka settings for `replay` with `host`'s brokers and topic prefix.
+fn replay_producer(host: &TestHost) -> (rdkafka::producer::FutureProducer, obx::config::KafkaConfig) {
+    let producer = obx::outbox::relay::producer(
+        &host.host.brokers,
+        &Default::default(),
+        &Default::default(),
+        Some(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let kafka = obx::config::KafkaConfig {
+        topic_prefix: host.topic_prefix.clone(),
+        ..Default::default()
+    };
+    (producer, kafka)
+}
+
 #[tokio::test]
 async fn replay_republishes_stored_events_marked_as_replays() {
     let host = spawn_host(&["testbed"]).await;
@@ -508,19 +524,9 @@ async fn replay_republishes_stored_events_marked_as_replays() {
         .await;
     assert_eq!(a.status, 200);
     all_published(&host, 4).await;
-    let producer = obx::outbox::relay::producer(
-        &host.host.brokers,
-        &Default::default(),
-        &Default::default(),
-        Some(Duration::from_secs(10)),
-    )
-    .unwrap();
+    let (producer, kafka) = replay_producer(&host);
     let filter = obx::outbox::replay::ReplayFilter {
         aggregate_id: Some("a".into()),
-        ..Default::default()
-    };
-    let kafka = obx::config::KafkaConfig {
-        topic_prefix: host.topic_prefix.clone(),
         ..Default::default()
     };
     const PAGE_BYTES: usize = 16 << 20;
@@ -586,17 +592,7 @@ async fn a_replay_leaves_unpublished_events_to_the_relay() {
          SELECT count(*) FROM p",
     )
     .await;
-    let producer = obx::outbox::relay::producer(
-        &host.host.brokers,
-        &Default::default(),
-        &Default::default(),
-        Some(Duration::from_secs(10)),
-    )
-    .unwrap();
-    let kafka = obx::config::KafkaConfig {
-        topic_prefix: host.topic_prefix.clone(),
-        ..Default::default()
-    };
+    let (producer, kafka) = replay_producer(&host);
     let every = obx::outbox::replay::ReplayFilter {
         from_id: Some(0),
         ..Default::default()
