@@ -92,6 +92,17 @@ fn prefix(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
+/// Whether the host's log shows plugin lines of `level`.
+fn enabled(level: &Level) -> bool {
+    match level {
+        Level::Trace => tracing::enabled!(target: "obx::plugin", tracing::Level::TRACE),
+        Level::Debug => tracing::enabled!(target: "obx::plugin", tracing::Level::DEBUG),
+        Level::Info => tracing::enabled!(target: "obx::plugin", tracing::Level::INFO),
+        Level::Warn => tracing::enabled!(target: "obx::plugin", tracing::Level::WARN),
+        Level::Error => tracing::enabled!(target: "obx::plugin", tracing::Level::ERROR),
+    }
+}
+
 impl Host for CallState {
     fn log(&mut self, level: Level, message: String) {
         self.log_lines += 1;
@@ -101,6 +112,10 @@ impl Host for CallState {
                 tracing::warn!(target: "obx::plugin", plugin, version, call,
                     "more than {MAX_LINES_PER_CALL} log lines in one call; dropping the rest");
             }
+            return;
+        }
+        // A line the log would not show costs nothing, and takes nothing from the budget.
+        if !enabled(&level) {
             return;
         }
         match self.plugin.log_budget.take(Instant::now()) {
