@@ -30,11 +30,16 @@ pub fn clipped(text: &str, max: usize) -> Cow<'_, str> {
     if text.len() <= max {
         return text.into();
     }
-    let mut end = max;
+    format!("{}... ({} bytes)", prefix(text, max), text.len()).into()
+}
+
+/// The longest start of `text` of at most `max` bytes that ends on a character's boundary.
+pub fn prefix(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}... ({} bytes)", &text[..end], text.len()).into()
+    &text[..end]
 }
 
 #[cfg(test)]

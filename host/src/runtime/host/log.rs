@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::runtime::bindings::log::{Host, Level};
 use crate::runtime::state::CallState;
+use crate::text::prefix;
 
 /// Lines one call may log; the rest are dropped, with one warning.
 const MAX_LINES_PER_CALL: u32 = 1000;
@@ -81,15 +82,6 @@ fn line(message: &str) -> String {
         line.push_str(" [truncated]");
     }
     line
-}
-
-/// The longest start of `text` of at most `max` bytes that ends on a character's boundary.
-fn prefix(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }
 
 /// Whether the host's log shows plugin lines of `level`.

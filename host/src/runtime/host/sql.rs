@@ -159,11 +159,7 @@ impl CallState {
 /// The start of a statement's text, for a log line: its values travel as parameters and are
 /// not in it, but a statement may be long.
 fn statement_head(statement: &str) -> &str {
-    let mut end = statement.len().min(200);
-    while !statement.is_char_boundary(end) {
-        end -= 1;
-    }
-    &statement[..end]
+    crate::text::prefix(statement, 200)
 }
 
 fn describe(e: &SqlError) -> String {
