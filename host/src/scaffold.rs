@@ -46,6 +46,10 @@ const fn script(path: &'static str, text: &'static str) -> Template {
 
 const RUST: &[Template] = &[
     file("Cargo.toml", include_str!("../templates/rust/Cargo.toml")),
+    file(
+        ".cargo/config.toml",
+        include_str!("../templates/rust/cargo-config.toml"),
+    ),
     file("src/lib.rs", include_str!("../templates/rust/src/lib.rs")),
     script("build.sh", include_str!("../templates/rust/build.sh")),
     script("test.sh", include_str!("../templates/rust/test.sh")),

@@ -50,6 +50,11 @@ fn a_new_plugin_in_each_language_builds_passes_its_test_and_runs_in_a_host() {
         assert!(made.contains(&format!("made plugin {name}")), "{made}");
         let dir = scratch.path().join(name);
         assert!(dir.join("wit/obx.wit").exists() && dir.join("README.md").exists());
+        if *language == "rust" {
+            // The stack that lets the host keep a call's pages resident (runtime::pool).
+            let config = std::fs::read_to_string(dir.join(".cargo/config.toml")).unwrap();
+            assert!(config.contains("-zstack-size=65536"), "{config}");
+        }
         let started = Instant::now();
         let tested = run(
             &format!("{language}: ./test.sh"),

@@ -61,6 +61,7 @@ fn compare(comparison: chart::Comparison) {
 }
 
 // After `out!`, which it uses.
+mod calls;
 mod http;
 mod timers;
 
@@ -122,6 +123,15 @@ enum Bench {
         #[arg(long, default_value = "docs/bench")]
         charts: std::path::PathBuf,
     },
+    /// One call's host CPU, Wasm against native, one caller alone: the call path's own cost.
+    Calls {
+        #[arg(long, default_value_t = 5000)]
+        calls: u32,
+        #[arg(long, default_value_t = 6)]
+        rounds: usize,
+        #[arg(long, value_enum, default_value = "both")]
+        only: calls::Only,
+    },
     /// Commands/s over HTTP: wrk against `POST /v1/commands/orders/CreateOrder`, with the
     /// relay and the inventory consumer running; pgbench with the same SQL in the same run.
     Http {
@@ -181,6 +191,7 @@ fn main() -> Result<()> {
                 connections,
                 profile,
             } => http::run(duration, connections, profile).await,
+            Bench::Calls { calls, rounds, only } => calls::run(calls, rounds, only).await,
             Bench::Rss => rss().await,
             Bench::Timers { rate, duration } => timers::run(rate, duration).await,
             Bench::Consume { events } => consume(events).await,
@@ -1490,6 +1501,7 @@ async fn rss() -> Result<()> {
 /// Runs every suite, then writes the report and its charts.
 async fn report(path: &std::path::Path) -> Result<()> {
     commands(Duration::from_secs(6), 16, 5, false).await?;
+    calls::run(5000, 6, calls::Only::Both).await?;
     let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
     profile_commands(Duration::from_secs(8), 16, &charts).await?;
     http::run(Duration::from_secs(10), 16, true).await?;
@@ -1584,6 +1596,7 @@ the charts were drawn by the same run. Re-run it to check them; expect some nois
 ```sh
 cargo xtask bench                               # everything; rewrites this file and docs/bench/
 cargo xtask bench -- commands --rounds 9        # one suite, printed only
+cargo xtask bench -- calls --calls 10000        # one call's host CPU, Wasm against native
 cargo xtask bench -- http --profile             # wrk over HTTP, relay and consumer running
 cargo xtask bench -- relay --rows 100000
 cargo xtask bench -- latency --rate 1000 --per-command 1

@@ -1,0 +1,177 @@
+//! What one plugin call costs the host itself, with nothing else running: the same
+//! CreateOrder, one after another on one session, by the Wasm handler through the runtime
+//! and by the native handler's statements, in rounds that take turns.
+//!
+//! The commands suite measures rates on a machine shared with Postgres, where every
+//! microsecond of the host's CPU is also taken from Postgres, and its rounds move by tens of
+//! per cent. Here one caller runs alone and the figure is this process's CPU per call, which
+//! moves by a microsecond or two: enough to tell whether a change to the call path removed
+//! work, before the commands suite says whether the rate follows.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use obx::runtime::bindings::guest;
+use serde_json::json;
+
+use crate::cpu::Cpu;
+use crate::{orders_host, Env, INSERT_ORDER};
+
+/// One round's figures: host CPU and wall time per call, µs.
+struct PerCall {
+    cpu: f64,
+    wall: f64,
+}
+
+/// Which handlers run: both (the comparison), or one alone (for `perf record`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Only {
+    Both,
+    Wasm,
+    Native,
+}
+
+/// What a round needs of the host.
+#[derive(Clone)]
+struct Parts {
+    runtime: Arc<obx::runtime::Runtime>,
+    registry: Arc<obx::runtime::registry::Registry>,
+    sessions: Arc<obx::db::sessions::Sessions>,
+}
+
+pub async fn run(calls: u32, rounds: usize, only: Only) -> Result<()> {
+    out!("## One call's cost to the host: CreateOrder, one caller, {calls} calls a round\n");
+    let env = Env::start()?;
+    let plugins = tempfile::tempdir()?;
+    let (host, _url) = orders_host(&env, plugins.path(), 1).await?;
+    let parts = Parts {
+        runtime: host.runtime.clone(),
+        registry: host.registry.clone(),
+        sessions: host.sessions.clone(),
+    };
+    // Each round on a worker thread, as a request is served: `block_on`'s thread would add
+    // a futex wake to each of the caller's round trips.
+    let wasm_round = |calls: u32| {
+        let parts = parts.clone();
+        async move { tokio::spawn(wasm_round(parts, calls)).await? }
+    };
+    let native_round = |calls: u32| {
+        let parts = parts.clone();
+        async move { tokio::spawn(native_round(parts, calls)).await? }
+    };
+    // A first round of each warms the session's statement cache and the instance pool.
+    wasm_round(calls.min(500)).await?;
+    native_round(calls.min(500)).await?;
+    if only != Only::Both {
+        for _ in 0..rounds {
+            let per = match only {
+                Only::Wasm => wasm_round(calls).await?,
+                _ => native_round(calls).await?,
+            };
+            out!("host CPU {:.1} µs per call, wall {:.1} µs", per.cpu, per.wall);
+        }
+        host.shutdown().await?;
+        return Ok(());
+    }
+    out!("| round | Wasm: host CPU per call, µs | native | Wasm minus native | Wasm: wall per call, µs | native |");
+    out!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    let (mut wasm_cpu, mut native_cpu) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let (wasm, native) = if round % 2 == 1 {
+            let native = native_round(calls).await?;
+            (wasm_round(calls).await?, native)
+        } else {
+            let wasm = wasm_round(calls).await?;
+            (wasm, native_round(calls).await?)
+        };
+        out!(
+            "| {round} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            wasm.cpu,
+            native.cpu,
+            wasm.cpu - native.cpu,
+            wasm.wall,
+            native.wall
+        );
+        wasm_cpu.push(wasm.cpu);
+        native_cpu.push(native.cpu);
+    }
+    let (wasm, native) = (crate::median(wasm_cpu), crate::median(native_cpu));
+    out!(
+        "\nMedians: Wasm {wasm:.1} µs of host CPU per call, native {native:.1}, Wasm's own {:.1}.\n",
+        wasm - native
+    );
+    host.shutdown().await?;
+    Ok(())
+}
+
+/// `calls` CreateOrders through the runtime, in one transaction that is rolled back: the
+/// call (a fresh Store, the guest, its `sql` and `outbox` host calls), without the
+/// dispatcher's begin and commit, which the native round leaves out too.
+async fn wasm_round(host: Parts, calls: u32) -> Result<PerCall> {
+    let plugin = host.registry.get("orders").context("orders is loaded")?;
+    let mut tx = host.sessions.begin("orders").await?;
+    let (cpu, started) = (Cpu::now(), Instant::now());
+    for c in 0..calls {
+        let command = guest::Command {
+            name: "CreateOrder".into(),
+            payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
+            request_id: String::new(),
+        };
+        let output = host.runtime.handle_command(&plugin, tx, command, None).await;
+        output.result.map_err(|e| anyhow::anyhow!("CreateOrder: {e:?}"))?;
+        anyhow::ensure!(output.events.len() == 1, "CreateOrder emits one event");
+        tx = output.tx.context("the call kept its transaction")?;
+    }
+    let wall = started.elapsed();
+    let cpu = cpu.per_command(calls as u64).host;
+    tx.rollback().await?;
+    Ok(PerCall {
+        cpu,
+        wall: wall.as_secs_f64() * 1e6 / calls as f64,
+    })
+}
+
+/// The native handler's part of the same calls: the input parsed, the insert, the event
+/// built (not written: the Wasm round's events are not either).
+async fn native_round(host: Parts, calls: u32) -> Result<PerCall> {
+    let mut tx = host.sessions.begin("orders").await?;
+    let (cpu, started) = (Cpu::now(), Instant::now());
+    let mut built = 0usize;
+    for c in 0..calls {
+        let payload = json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string();
+        let input: serde_json::Value = serde_json::from_str(&payload)?;
+        let customer = input["customerId"].as_str().unwrap_or_default().to_string();
+        let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
+        let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
+            .bind(None::<uuid::Uuid>)
+            .bind(&customer)
+            .bind(&amount)
+            .bind(json!([]))
+            .fetch_one(&mut *tx)
+            .await?;
+        let event = obx::outbox::NewEvent {
+            event_id: uuid::Uuid::now_v7(),
+            aggregate_type: "Order".into(),
+            aggregate_id: id.to_string(),
+            event_type: "OrderCreated".into(),
+            payload: json!({
+                "orderId": id.to_string(), "customerId": customer,
+                "amount": amount.to_string(), "status": "pending", "items": [],
+            })
+            .to_string(),
+            topic: "order.events".into(),
+            partition_key: id.to_string(),
+            delay_ms: 0,
+        };
+        built += std::hint::black_box(event).payload.len();
+    }
+    let wall = started.elapsed();
+    let cpu = cpu.per_command(calls as u64).host;
+    anyhow::ensure!(built > 0, "events were built");
+    tx.rollback().await?;
+    Ok(PerCall {
+        cpu,
+        wall: wall.as_secs_f64() * 1e6 / calls as f64,
+    })
+}
