@@ -16,7 +16,7 @@ use obx::runtime::bindings::guest;
 use serde_json::json;
 
 use crate::cpu::Cpu;
-use crate::{orders_host, Env, INSERT_ORDER};
+use crate::{native_create_order, orders_host, Env};
 
 /// One round's figures: host CPU and wall time per call, µs.
 struct PerCall {
@@ -139,31 +139,7 @@ async fn native_round(host: Parts, calls: u32) -> Result<PerCall> {
     let (cpu, started) = (Cpu::now(), Instant::now());
     let mut built = 0usize;
     for c in 0..calls {
-        let payload = json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string();
-        let input: serde_json::Value = serde_json::from_str(&payload)?;
-        let customer = input["customerId"].as_str().unwrap_or_default().to_string();
-        let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
-        let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
-            .bind(None::<uuid::Uuid>)
-            .bind(&customer)
-            .bind(&amount)
-            .bind(json!([]))
-            .fetch_one(&mut *tx)
-            .await?;
-        let event = obx::outbox::NewEvent {
-            event_id: uuid::Uuid::now_v7(),
-            aggregate_type: "Order".into(),
-            aggregate_id: id.to_string(),
-            event_type: "OrderCreated".into(),
-            payload: json!({
-                "orderId": id.to_string(), "customerId": customer,
-                "amount": amount.to_string(), "status": "pending", "items": [],
-            })
-            .to_string(),
-            topic: "order.events".into(),
-            partition_key: id.to_string(),
-            delay_ms: 0,
-        };
+        let event = native_create_order(&mut tx, c as usize).await?;
         built += std::hint::black_box(event).payload.len();
     }
     let wall = started.elapsed();

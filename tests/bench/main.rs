@@ -1294,32 +1294,8 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
-                let input: serde_json::Value =
-                    serde_json::from_str(&json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string())?;
-                let customer = input["customerId"].as_str().unwrap_or_default().to_string();
-                let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
                 let mut tx = sessions.begin("orders").await?;
-                let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
-                    .bind(None::<uuid::Uuid>)
-                    .bind(&customer)
-                    .bind(&amount)
-                    .bind(json!([]))
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let payload = json!({
-                    "orderId": id.to_string(), "customerId": customer,
-                    "amount": amount.to_string(), "status": "pending", "items": [],
-                });
-                let event = obx::outbox::NewEvent {
-                    event_id: uuid::Uuid::now_v7(),
-                    aggregate_type: "Order".into(),
-                    aggregate_id: id.to_string(),
-                    event_type: "OrderCreated".into(),
-                    payload: payload.to_string(),
-                    topic: "order.events".into(),
-                    partition_key: id.to_string(),
-                    delay_ms: 0,
-                };
+                let event = native_create_order(&mut tx, c).await?;
                 let rows = obx::outbox::writer::CallRows {
                     version: "0.1.0",
                     traceparent: TRACEPARENT,
@@ -1342,6 +1318,36 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
         total += r??;
     }
     Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The native handler's work for caller `c`: its input parsed, the order inserted in `tx`,
+/// and the event it emits built (the caller writes it, or not).
+async fn native_create_order(tx: &mut obx::db::sessions::PluginTx, c: usize) -> Result<obx::outbox::NewEvent> {
+    let input: serde_json::Value =
+        serde_json::from_str(&json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string())?;
+    let customer = input["customerId"].as_str().unwrap_or_default().to_string();
+    let amount = sqlx::types::BigDecimal::from(input["amount"].as_i64().unwrap_or(0));
+    let id: uuid::Uuid = sqlx::query_scalar(INSERT_ORDER)
+        .bind(None::<uuid::Uuid>)
+        .bind(&customer)
+        .bind(&amount)
+        .bind(json!([]))
+        .fetch_one(&mut **tx)
+        .await?;
+    let payload = json!({
+        "orderId": id.to_string(), "customerId": customer,
+        "amount": amount.to_string(), "status": "pending", "items": [],
+    });
+    Ok(obx::outbox::NewEvent {
+        event_id: uuid::Uuid::now_v7(),
+        aggregate_type: "Order".into(),
+        aggregate_id: id.to_string(),
+        event_type: "OrderCreated".into(),
+        payload: payload.to_string(),
+        topic: "order.events".into(),
+        partition_key: id.to_string(),
+        delay_ms: 0,
+    })
 }
 
 /// CreateOrder through the dispatcher: a fresh Store per call, the Wasm handler, the
