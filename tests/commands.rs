@@ -148,6 +148,18 @@ async fn no_memory_of_a_call_reaches_the_next() {
             .parse::<u64>()
             .unwrap_or_else(|_| panic!("not a count: {text}"))
     };
+    // The testbed's stained statics lie in the prefix that is reset in place (its data
+    // copied back from the image); its 4 MiB stain reaches far past it, into what is
+    // decommitted. (If a build lost the plugins' 64 KiB stack, they would not.)
+    let statics = host.command("testbed", "statics", json!({})).await;
+    assert_eq!(statics.status, 200, "{}", statics.text);
+    for name in ["stained", "seeded"] {
+        let address = statics.body[name].as_u64().unwrap_or(u64::MAX);
+        assert!(
+            address + 4096 <= obx::runtime::MEMORY_KEEP_RESIDENT as u64,
+            "{name} at {address}: past the kept prefix"
+        );
+    }
     // The probe sees a stain within one call: a later zero means something.
     let same = host.command("testbed", "stain_then_residue", json!({})).await;
     assert_eq!(same.status, 200, "{}", same.text);
@@ -171,6 +183,44 @@ async fn no_memory_of_a_call_reaches_the_next() {
             "round {round}: a call saw a stain of an earlier one"
         );
     }
+    host.shutdown().await;
+}
+
+/// A payload nested as deep as serde_json reads (128 levels) fits a plugin linked with a
+/// 64 KiB Wasm stack, as the example plugins and `obx plugin new` projects are: the testbed
+/// parses it into a tree, recursively, and answers. One level deeper is refused with a 400,
+/// by the host or by the plugin's own parser, and never traps.
+#[tokio::test]
+async fn a_payload_as_deep_as_the_host_takes_fits_a_64_kib_plugin_stack() {
+    let host = spawn_host(&["testbed"]).await;
+    let json_ct = [("content-type", "application/json")];
+    let nested = |levels: usize| {
+        format!(
+            r#"{{"id":"deep-{levels}","v":{}1{}}}"#,
+            "[".repeat(levels),
+            "]".repeat(levels)
+        )
+    };
+    let mut deepest = 0;
+    for levels in 100..200 {
+        let a = host
+            .request("testbed", "ok", nested(levels).into_bytes(), &json_ct)
+            .await;
+        if a.status == 400 {
+            // The host's parser, or serde_json's limit in the plugin: an answer, not a trap.
+            assert!(["invalid_json", "invalid_input"].contains(&a.code()), "{}", a.text);
+            break;
+        }
+        let id = format!("deep-{levels}");
+        assert_eq!(
+            (a.status, &a.body["id"]),
+            (200, &json!(id)),
+            "{levels} levels: {}",
+            a.text
+        );
+        deepest = levels;
+    }
+    assert!((120..199).contains(&deepest), "the host took {deepest} levels");
     host.shutdown().await;
 }
 

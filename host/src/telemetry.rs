@@ -62,22 +62,38 @@ pub fn metrics() -> PrometheusHandle {
 
 /// Gauges read from the database every few seconds, so that every host reports them whatever
 /// it runs: the outbox backlog and the age of its oldest row, the inbox backlog, the dead
-/// letters parked and the messages quarantined, per plugin.
+/// letters parked and the messages quarantined, per plugin. The counts read their tables'
+/// rows: with millions of pending timers or unprocessed inbox events a reading takes a
+/// second or more, so the next one waits [`gauge_wait`] (`obx_database_gauges_seconds` says
+/// how long the last took).
 pub async fn run_database_gauges(
     pool: sqlx::PgPool,
     every: std::time::Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
+        let started = std::time::Instant::now();
         if let Err(e) = record_database_gauges(&pool).await {
             tracing::debug!(error = %e, "could not read the database gauges");
         }
+        let took = started.elapsed();
+        metrics::gauge!("obx_database_gauges_seconds").set(took.as_secs_f64());
         tokio::select! {
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep(gauge_wait(every, took)) => {}
             _ = shutdown.changed() => return,
         }
     }
 }
+
+/// How long to wait before the next reading of the database gauges: `every`, or twenty times
+/// what the last reading took if that is longer (so that the readings keep at most a
+/// twentieth of a database session busy), and never more than [`MAX_GAUGE_WAIT`].
+fn gauge_wait(every: std::time::Duration, took: std::time::Duration) -> std::time::Duration {
+    every.max(took.saturating_mul(20)).min(MAX_GAUGE_WAIT.max(every))
+}
+
+/// The longest the database gauges go unread.
+const MAX_GAUGE_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
     let outbox = crate::outbox::backlog(pool).await?;
@@ -105,4 +121,27 @@ async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
         metrics::gauge!("obx_timers_overdue_seconds", "plugin" => t.plugin).set(t.overdue_seconds);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::gauge_wait;
+
+    /// A slow reading of the gauges spaces the next one out: they keep at most a twentieth
+    /// of a session busy, and are read at least every five minutes.
+    #[test]
+    fn slow_gauge_readings_are_spaced_out() {
+        let every = Duration::from_secs(2);
+        assert_eq!(gauge_wait(every, Duration::from_millis(30)), every);
+        assert_eq!(gauge_wait(every, Duration::from_millis(100)), every);
+        assert_eq!(gauge_wait(every, Duration::from_millis(500)), Duration::from_secs(10));
+        assert_eq!(gauge_wait(every, Duration::from_secs(4)), Duration::from_secs(80));
+        assert_eq!(gauge_wait(every, Duration::from_secs(60)), Duration::from_secs(300));
+        assert_eq!(
+            gauge_wait(Duration::from_secs(600), Duration::ZERO),
+            Duration::from_secs(600)
+        );
+    }
 }

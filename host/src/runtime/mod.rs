@@ -249,12 +249,14 @@ const TABLE_KEEP_RESIDENT: usize = 64 * 1024;
 /// are) keeps its stack, its data and its first heap within this prefix, so its calls take
 /// no page fault there: the orders plugin's calls took six faults each, on four fresh pages,
 /// two of them read and then written (a copy-on-write fault with a TLB flush on the other
-/// CPU). Host CPU per call
-/// (`obx-bench calls`, one caller): 29–49 µs of Wasm's own before, 15–16 µs after; in the
-/// commands suite, 169–202 µs of host CPU per Wasm command before, 136–141 after. A plugin
-/// with rustc's default 1 MiB stack gains nothing and pays the reset of its stack's unused
-/// bottom, which that suite could not tell from its noise.
-const MEMORY_KEEP_RESIDENT: usize = 192 * 1024;
+/// CPU). Host CPU per call (`obx-bench calls`, one caller), Wasm minus native: 29–49 µs
+/// before, 15–16 µs after; in the commands suite, 169–202 µs of host CPU per Wasm command
+/// before, 136–141 after (docs/benchmarks.md). A plugin with rustc's default 1 MiB stack
+/// gains nothing and pays the reset of its stack's unused bottom, which that suite could not
+/// tell from its noise. The prefix stays resident in every memory slot that has served a
+/// call: at most this much per slot, `(max_concurrent_calls + 32) × 2` slots (72 MiB at the
+/// defaults; 192 KiB measured the same and would be 108 MiB).
+pub const MEMORY_KEEP_RESIDENT: usize = 128 * 1024;
 
 impl Runtime {
     /// A runtime with these limits, and a compile cache in `cache_dir` if given.
@@ -605,9 +607,11 @@ fn pool(limits: &Limits) -> PoolingAllocationConfig {
 
 /// Turns off the Wasm proposals that wasmtime 48 enables by default and no plugin toolchain
 /// here emits (Rust's wasm32-wasip2, componentize-py, componentize-js): garbage-collected
-/// types, exceptions, typed function references and 64-bit memories. Each is runtime code a
-/// hostile plugin could otherwise reach, and GC would give a call a heap of its own beside
-/// its linear memory. A component that uses one is refused when it is compiled.
+/// types, exceptions, typed function references and 64-bit memories; and says so of stack
+/// switching, off by default. Each is runtime code a hostile plugin could otherwise reach,
+/// and GC would give a call a heap of its own beside its linear memory. A component that uses
+/// one is refused when it is compiled. (A toolchain that starts to emit one, e.g. exceptions
+/// for `setjmp`, needs it turned on here first.)
 fn without_unused_proposals(config: &mut wasmtime::Config) {
     config
         .wasm_gc(false)

@@ -46,6 +46,7 @@ impl Guest for Testbed {
                 "aliased_params",
                 "sequenced",
                 "stain",
+                "statics",
                 "residue",
                 "stain_then_residue",
                 "stain_then_trap",
@@ -145,6 +146,14 @@ impl Guest for Testbed {
                 return Ok(obx_sdk::cancel_timer(name, key)?.to_string());
             }
             "stain" => return Ok(stain().to_string()),
+            // Where the stained statics lie: the host resets a memory's first bytes in place
+            // (data copied back from the image) and the rest by decommitting it.
+            "statics" => {
+                return Ok(
+                    json!({ "stained": (&raw const STAINED) as usize, "seeded": (&raw const SEEDED) as usize })
+                        .to_string(),
+                )
+            }
             "residue" => return Ok(residue(p["pages"].as_u64().unwrap_or(0) as usize).to_string()),
             // Shows that `residue` sees what `stain` leaves, within one call.
             "stain_then_residue" => {
@@ -344,6 +353,12 @@ const STAIN: u64 = 0x0bc0_ffee_5a1e_d00d;
 
 static mut STAINED: [u64; 512] = [0; 512];
 
+/// What [`SEEDED`] holds in the component's image (its data segment), and after every reset.
+const SEED: u64 = 0x5eed_5eed_5eed_5eed;
+/// An initialised static: `stain` overwrites it, and a reset must copy the image back, not
+/// only clear it.
+static mut SEEDED: [u64; 64] = [SEED; 64];
+
 /// Writes [`STAIN`] across 4 MiB of heap (grown memory) and a static, and keeps them: what
 /// a later call could see if memory outlived its Store. Returns the memory's size in pages.
 fn stain() -> usize {
@@ -355,12 +370,17 @@ fn stain() -> usize {
         for i in 0..512 {
             std::ptr::write_volatile((stained as *mut u64).add(i), STAIN);
         }
+        let seeded = &raw mut SEEDED;
+        for i in 0..64 {
+            std::ptr::write_volatile((seeded as *mut u64).add(i), STAIN);
+        }
     }
     core::arch::wasm32::memory_size(0)
 }
 
 /// Counts the words of linear memory that hold [`STAIN`], after growing it to at least
-/// `pages` (a fresh instance's pages past its initial size are not even mapped).
+/// `pages` (a fresh instance's pages past its initial size are not even mapped), and the
+/// words of [`SEEDED`] that do not hold [`SEED`].
 fn residue(pages: usize) -> usize {
     let size = core::arch::wasm32::memory_size(0);
     if pages > size && core::arch::wasm32::memory_grow(0, pages - size) == usize::MAX {
@@ -377,7 +397,12 @@ fn residue(pages: usize) -> usize {
             found += 1;
         }
     }
+    let seeded = &raw const SEEDED;
+    // SAFETY: as in `stain`.
     found
+        + (0..64)
+            .filter(|i| unsafe { std::ptr::read_volatile((seeded as *const u64).add(*i)) } != SEED)
+            .count()
 }
 
 fn recurse(n: u64) -> u64 {

@@ -2,6 +2,7 @@
 
 pub(crate) mod contract;
 pub(crate) mod log;
+mod numeric;
 mod outbox;
 mod sql;
 mod timers;

@@ -7,9 +7,6 @@
 //! either bound the session is abandoned rather than drained. The first failure marks the
 //! call as unable to commit.
 
-use std::str::FromStr;
-
-use bigdecimal::BigDecimal;
 use chrono::{DateTime, NaiveDate, NaiveDateTime, SecondsFormat, Utc};
 use futures::TryStreamExt;
 use sqlx::postgres::types::Oid;
@@ -17,6 +14,7 @@ use sqlx::postgres::{PgArgumentBuffer, PgArguments, PgDatabaseError, PgRow, PgTy
 use sqlx::{Arguments, Column, Decode, Encode, Postgres, Row, Type, TypeInfo, ValueRef};
 use uuid::Uuid;
 
+use super::numeric;
 use crate::db::sessions::SLOW_STATEMENT;
 use crate::runtime::bindings::sql::{self as wit, DatabaseError, Host, RowSet, SqlError};
 use crate::runtime::bindings::types::SqlValue;
@@ -222,19 +220,15 @@ impl Encode<'_, Postgres> for UntypedNull {
 }
 
 /// The longest text of a `numeric` parameter: Postgres's own limit (131,072 digits before the
-/// point, 16,383 after), with room for a sign, a point and an exponent. Parsing a decimal costs
-/// the square of its length: a 16 MiB one held a worker thread for about a minute.
+/// point, 16,383 after), with room for a sign, a point and an exponent; a longer one is
+/// refused before it is read. Reading one costs time linear in its length ([`numeric`]).
 const MAX_NUMERIC_CHARS: usize = 147_500;
-/// The text of all `numeric` parameters of one statement, together: each costs the square of
-/// its length, so that many long ones held a worker for seconds.
-const MAX_NUMERIC_CHARS_PER_STATEMENT: usize = 1_000_000;
 
 /// Binds every parameter and returns the arguments with their type signature. The values are
 /// the plugin's: each is checked, and quoted in an error only in part ([`crate::text::shown`]).
 fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
     let mut args = PgArguments::default();
     let mut signature = String::with_capacity(params.len());
-    let mut numeric_chars = 0usize;
     for (i, value) in params.into_iter().enumerate() {
         let n = i + 1;
         let added = match value {
@@ -272,7 +266,6 @@ fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
                 add(&mut args, &mut signature, 'd', v)
             }
             SqlValue::Numeric(s) => {
-                numeric_chars += s.len();
                 if s.len() > MAX_NUMERIC_CHARS {
                     return Err(format!(
                         "parameter ${n} is a number of {} characters; Postgres's numeric holds at most \
@@ -280,14 +273,10 @@ fn bind_all(params: Vec<SqlValue>) -> Result<(PgArguments, String), String> {
                         s.len()
                     ));
                 }
-                if numeric_chars > MAX_NUMERIC_CHARS_PER_STATEMENT {
-                    return Err(format!(
-                        "the numeric parameters of one statement may hold {MAX_NUMERIC_CHARS_PER_STATEMENT} \
-                         characters in all"
-                    ));
-                }
-                let v =
-                    BigDecimal::from_str(&s).map_err(|_| format!("parameter ${n} ({}) is not a number", shown(&s)))?;
+                let v = numeric::param(&s).map_err(|refusal| match refusal {
+                    numeric::Refusal::Syntax => format!("parameter ${n} ({}) is not a number", shown(&s)),
+                    numeric::Refusal::Range => format!("parameter ${n} ({}) is out of numeric's range", shown(&s)),
+                })?;
                 add(&mut args, &mut signature, 'n', v)
             }
         };
@@ -347,7 +336,7 @@ fn convert_row(row: &PgRow, room: usize) -> Result<(Vec<SqlValue>, usize), RowEr
         let invalid = |e: String| RowError::Invalid(format!("column {} ({}): {e}", i + 1, row.columns()[i].name()));
         let value = row.try_get_raw(i).map_err(|e| invalid(e.to_string()))?;
         if value.type_info().name() == "NUMERIC" && !value.is_null() {
-            let text = numeric_text_len(value.as_bytes().map_err(|e| invalid(e.to_string()))?);
+            let text = numeric::text_len(value.as_bytes().map_err(|e| invalid(e.to_string()))?);
             if held + text.map_err(invalid)? > room {
                 return Err(RowError::Limit);
             }
@@ -400,7 +389,7 @@ fn convert_value(value: PgValueRef<'_>) -> Result<SqlValue, String> {
         "TIMESTAMPTZ" => SqlValue::Timestamp(rfc3339(decode::<DateTime<Utc>>(value)?)),
         "TIMESTAMP" => SqlValue::Timestamp(rfc3339(decode::<NaiveDateTime>(value)?.and_utc())),
         "DATE" => SqlValue::Date(decode::<NaiveDate>(value)?.format("%Y-%m-%d").to_string()),
-        "NUMERIC" => SqlValue::Numeric(numeric_text(value.as_bytes().map_err(|e| e.to_string())?)?),
+        "NUMERIC" => SqlValue::Numeric(numeric::text(value.as_bytes().map_err(|e| e.to_string())?)?),
         other => match type_info.kind() {
             // The binary form of an enum value is its label.
             PgTypeKind::Enum(_) => SqlValue::Text(
@@ -416,75 +405,6 @@ fn convert_value(value: PgValueRef<'_>) -> Result<SqlValue, String> {
             }
         },
     })
-}
-
-/// At most how long [`numeric_text`] makes this binary `numeric`: four digits per base-10000
-/// digit before the point (a few bytes on the wire can stand for 131,072 digits), and the
-/// display scale after it.
-fn numeric_text_len(bytes: &[u8]) -> Result<usize, String> {
-    let word = |i: usize| bytes.get(i * 2..i * 2 + 2).map(|b| i16::from_be_bytes([b[0], b[1]]));
-    let (Some(weight), Some(dscale)) = (word(1), word(3)) else {
-        return Err("truncated numeric".into());
-    };
-    let integral = if weight < 0 { 1 } else { 4 * (weight as usize + 1) };
-    let fraction = match dscale as u16 as usize {
-        0 => 0,
-        scale => scale + 1,
-    };
-    Ok((1 + integral + fraction).max("-Infinity".len()))
-}
-
-/// Renders Postgres's binary `numeric` as Postgres renders it as text, keeping its display
-/// scale: `12.50` stays `12.50`, and no precision is lost on the way.
-fn numeric_text(bytes: &[u8]) -> Result<String, String> {
-    use std::fmt::Write;
-    let word = |i: usize| -> Result<i16, String> {
-        bytes
-            .get(i * 2..i * 2 + 2)
-            .map(|b| i16::from_be_bytes([b[0], b[1]]))
-            .ok_or("truncated numeric".to_string())
-    };
-    let (ndigits, weight, sign, dscale) = (word(0)? as usize, word(1)?, word(2)? as u16, word(3)? as u16 as usize);
-    match sign {
-        0xC000 => return Ok("NaN".into()),
-        0xD000 => return Ok("Infinity".into()),
-        0xF000 => return Ok("-Infinity".into()),
-        _ => {}
-    }
-    let digit = |d: i32| -> Result<i16, String> {
-        if d >= 0 && (d as usize) < ndigits {
-            word(4 + d as usize)
-        } else {
-            Ok(0)
-        }
-    };
-    let mut out = String::new();
-    if sign == 0x4000 {
-        out.push('-');
-    }
-    if weight < 0 {
-        out.push('0');
-    } else {
-        for d in 0..=i32::from(weight) {
-            let _ = if d == 0 {
-                write!(out, "{}", digit(d)?)
-            } else {
-                write!(out, "{:04}", digit(d)?)
-            };
-        }
-    }
-    if dscale > 0 {
-        let mut fraction = String::with_capacity(dscale + 4);
-        let mut d = i32::from(weight) + 1;
-        while fraction.len() < dscale {
-            let _ = write!(fraction, "{:04}", digit(d)?);
-            d += 1;
-        }
-        fraction.truncate(dscale);
-        out.push('.');
-        out.push_str(&fraction);
-    }
-    Ok(out)
 }
 
 /// A `json` or `jsonb` value as Postgres writes it, passed through as text: parsed into a
@@ -504,42 +424,4 @@ fn json_text(value: PgValueRef<'_>) -> Result<String, String> {
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{numeric_text, numeric_text_len};
-
-    /// Postgres's binary `numeric`: digit count, weight, sign, display scale, base-10000 digits.
-    fn numeric(weight: i16, sign: u16, dscale: u16, digits: &[i16]) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        for word in [digits.len() as i16, weight, sign as i16, dscale as i16]
-            .iter()
-            .chain(digits)
-        {
-            bytes.extend_from_slice(&word.to_be_bytes());
-        }
-        bytes
-    }
-
-    #[test]
-    fn a_numeric_is_measured_before_it_is_written_and_never_longer() {
-        let cases = [
-            (numeric(0, 0, 2, &[12, 5000]), "12.50"),
-            (numeric(-1, 0x4000, 3, &[5]), "-0.000"),
-            (numeric(1, 0, 0, &[1, 0]), "10000"),
-            (numeric(0, 0xC000, 0, &[]), "NaN"),
-            (numeric(0, 0xF000, 0, &[]), "-Infinity"),
-        ];
-        for (bytes, text) in &cases {
-            assert_eq!(numeric_text(bytes).unwrap(), *text);
-            assert!(numeric_text_len(bytes).unwrap() >= text.len(), "{text}");
-        }
-        // 131,072 digits from 10 bytes: the size is known without writing them.
-        let huge = numeric(32767, 0, 0, &[1]);
-        let len = numeric_text_len(&huge).unwrap();
-        assert!(len >= 131_068, "{len}");
-        assert_eq!(numeric_text(&huge).unwrap().len(), 131_069);
-        assert!(numeric_text_len(&[0, 1]).is_err());
-    }
 }
