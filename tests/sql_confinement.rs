@@ -229,6 +229,19 @@ async fn numeric_parameters_are_what_postgres_reads_from_their_text() {
         "Infinity",
         "-inf",
         "+INFINITY",
+        "+inf",
+        "\t\n7\r\n",
+        "\u{b}5\u{c}",
+        "1e+5",
+        "1e0005",
+        "5.e3",
+        "+.5",
+        "0e-16383",
+        "1e131071",
+        "0e1073741822",
+        // Postgres 15 reads the exponent with `strtol`, which skips spaces (16 does not).
+        "1e 5",
+        "1e\t-3",
     ] {
         let sql = format!("SELECT $1::numeric::text, '{text}'::numeric::text");
         let (status, body) = run(&host, &sql, json!([{ "numeric": text }])).await;
@@ -246,6 +259,18 @@ async fn numeric_parameters_are_what_postgres_reads_from_their_text() {
             (status, reason),
             (409, json!("database:22P02")),
             "{bad:?}: Postgres refuses it too"
+        );
+    }
+    // Out of numeric's range: refused by the host as Postgres refuses the literal.
+    for out in ["1e131072", "0e-16384", "0e1073741823", "1e99999999999999999999"] {
+        let (status, reason) = run(&host, "SELECT $1::numeric", json!([{ "numeric": out }])).await;
+        assert_eq!((status, reason), (409, json!("invalid")), "{out:?}");
+        let sql = format!("SELECT '{out}'::numeric");
+        let (status, reason) = run(&host, &sql, json!([])).await;
+        assert_eq!(
+            (status, reason),
+            (409, json!("database:22003")),
+            "{out:?}: Postgres refuses it too"
         );
     }
     host.shutdown().await;

@@ -19,9 +19,15 @@ const INFINITY: u16 = 0xD000;
 const NEGATIVE_INFINITY: u16 = 0xF000;
 /// Postgres's limit on the digits after the point.
 const MAX_DISPLAY_SCALE: i64 = 0x3FFF;
-/// An exponent past this makes a weight or a scale out of range anyway; bounding it first
-/// keeps the arithmetic below from overflowing.
-const MAX_EXPONENT: i64 = 1_000_000;
+/// Postgres 15 refuses an exponent from `INT_MAX / 2` on, even on zero ("value overflows
+/// numeric format"); every smaller one is a number or out of range by its weight or scale.
+const MAX_EXPONENT: i64 = i32::MAX as i64 / 2 - 1;
+
+/// What C's `isspace` counts as space, which Postgres trims around a number (and `strtol`
+/// skips before an exponent): Rust's ASCII whitespace and the vertical tab.
+fn is_c_space(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\n' | 0x0B | 0x0C | b'\r')
+}
 
 /// Why a decimal text is not a `numeric` parameter.
 #[derive(Debug, PartialEq, Eq)]
@@ -49,10 +55,10 @@ impl Encode<'_, Postgres> for Param {
     }
 }
 
-/// The parameter for `text`, read as Postgres reads a `numeric`: spaces around it, a sign,
+/// The parameter for `text`, read as Postgres 15 reads a `numeric`: spaces around it, a sign,
 /// digits with or without a point, an exponent (`1.5e3`), `NaN`, `Infinity` and `inf`.
 pub(super) fn param(text: &str) -> Result<Param, Refusal> {
-    let text = text.trim_matches(|c: char| c.is_ascii_whitespace());
+    let text = text.trim_matches(|c: char| c.is_ascii() && is_c_space(c as u8));
     let (negative, unsigned) = match text.as_bytes().first() {
         Some(b'-') => (true, &text[1..]),
         Some(b'+') => (false, &text[1..]),
@@ -69,7 +75,7 @@ pub(super) fn param(text: &str) -> Result<Param, Refusal> {
     if text.eq_ignore_ascii_case("nan") {
         return Ok(Param(header(0, 0, NAN, 0)));
     }
-    let decimal = Decimal::read(unsigned.as_bytes()).ok_or(Refusal::Syntax)?;
+    let decimal = Decimal::read(unsigned.as_bytes())?;
     let scale = (decimal.after_point - decimal.exponent).max(0);
     if scale > MAX_DISPLAY_SCALE {
         return Err(Refusal::Range);
@@ -131,8 +137,9 @@ struct Decimal {
 }
 
 impl Decimal {
-    /// `digits[.digits][e[+-]digits]` or `.digits[...]`, and nothing else.
-    fn read(text: &[u8]) -> Option<Decimal> {
+    /// `digits[.digits][e[+-]digits]` or `.digits[...]`, and nothing else; as `strtol` reads
+    /// Postgres 15's exponent, spaces may come between the `e` and it.
+    fn read(text: &[u8]) -> Result<Decimal, Refusal> {
         let mut decimal = Decimal {
             digits: Vec::with_capacity(text.len()),
             before_point: 0,
@@ -157,26 +164,31 @@ impl Decimal {
             rest = tail;
         }
         if decimal.digits.is_empty() {
-            return None;
+            return Err(Refusal::Syntax);
         }
         if let Some((b'e' | b'E', tail)) = rest.split_first() {
+            let tail = &tail[tail.iter().take_while(|c| is_c_space(**c)).count()..];
             let (negative, tail) = match tail.split_first() {
                 Some((b'-', t)) => (true, t),
                 Some((b'+', t)) => (false, t),
                 _ => (false, tail),
             };
             if tail.is_empty() || !tail.iter().all(u8::is_ascii_digit) {
-                return None;
+                return Err(Refusal::Syntax);
             }
             let magnitude = tail
                 .iter()
                 .try_fold(0i64, |n, d| n.checked_mul(10)?.checked_add(i64::from(d - b'0')))
                 .filter(|n| *n <= MAX_EXPONENT)
-                .unwrap_or(MAX_EXPONENT + 1);
+                .ok_or(Refusal::Range)?;
             decimal.exponent = if negative { -magnitude } else { magnitude };
             rest = &[];
         }
-        rest.is_empty().then_some(decimal)
+        if rest.is_empty() {
+            Ok(decimal)
+        } else {
+            Err(Refusal::Syntax)
+        }
     }
 }
 
@@ -216,7 +228,15 @@ pub(super) fn text(bytes: &[u8]) -> Result<String, String> {
         NAN => return Ok("NaN".into()),
         INFINITY => return Ok("Infinity".into()),
         NEGATIVE_INFINITY => return Ok("-Infinity".into()),
-        _ => {}
+        POSITIVE | NEGATIVE => {}
+        _ => return Err("malformed numeric: an unknown sign".into()),
+    }
+    // What Postgres's own `numeric_recv` checks: as many digits as the count says, each a
+    // base-10000 digit (a wider one would be written longer than `text_len` allowed for).
+    let well_formed = bytes.len() == 8 + 2 * ndigits
+        && (0..ndigits).all(|d| word(4 + d).is_ok_and(|digit| (0..10_000).contains(&digit)));
+    if !well_formed {
+        return Err("malformed numeric".into());
     }
     let digit = |d: i32| -> Result<i16, String> {
         if d >= 0 && (d as usize) < ndigits {
@@ -291,6 +311,41 @@ mod tests {
         assert!(text_len(&[0, 1]).is_err());
     }
 
+    /// What a server that is not Postgres, or a broken one, sends is refused, never written
+    /// longer than measured: digits outside base 10000, an unknown sign, fewer or more digits
+    /// than the count says.
+    #[test]
+    fn a_malformed_numeric_from_the_server_is_refused() {
+        let mut short = numeric(1, 0, 0, &[1, 2]);
+        short.truncate(short.len() - 2);
+        let mut long = numeric(0, 0, 0, &[1]);
+        long.extend_from_slice(&[0, 7]);
+        for bytes in [
+            numeric(0, 0, 0, &[10_000]),
+            numeric(0, 0, 0, &[-1]),
+            numeric(0, 0, 0, &[i16::MIN]),
+            numeric(0, 0x1234, 0, &[1]),
+            short,
+            long,
+        ] {
+            assert!(text(&bytes).is_err(), "{bytes:?}");
+        }
+    }
+
+    /// The bytes themselves, for a few: count, weight, sign, scale, base-10000 digits, the
+    /// first and last of them not zero.
+    #[test]
+    fn a_decimal_is_written_in_base_10000_aligned_on_its_point() {
+        let bytes = |input: &str| param(input).unwrap().0;
+        assert_eq!(bytes("12.50"), numeric(0, 0, 2, &[12, 5000]));
+        assert_eq!(bytes("-0.0001"), numeric(-1, 0x4000, 4, &[1]));
+        assert_eq!(bytes("10000"), numeric(1, 0, 0, &[1]));
+        assert_eq!(bytes("123456789"), numeric(2, 0, 0, &[1, 2345, 6789]));
+        assert_eq!(bytes("0.000"), numeric(0, 0, 3, &[]));
+        assert_eq!(bytes("1e131071"), numeric(32767, 0, 0, &[1000]));
+        assert_eq!(bytes("-inf"), numeric(0, 0xF000, 0, &[]));
+    }
+
     /// A decimal's parameter is the binary form Postgres itself would make of it: each case
     /// written back is Postgres's own text for the input (`'<input>'::numeric::text`).
     /// `tests/sql_confinement.rs` checks the same against a server.
@@ -324,15 +379,27 @@ mod tests {
             ("Infinity", "Infinity"),
             ("-inf", "-Infinity"),
             ("+INFINITY", "Infinity"),
+            ("+inf", "Infinity"),
+            ("\t\n7\r\n", "7"),
+            ("\u{b}5\u{c}", "5"),
+            ("1e+5", "100000"),
+            ("1e0005", "100000"),
+            ("1e 5", "100000"),
+            ("1e\t-3", "0.001"),
+            ("5.e3", "5000"),
+            ("+.5", "0.5"),
+            ("0e1073741822", "0"),
         ] {
             assert_eq!(round_trip(input), written, "{input}");
         }
         let most = "9".repeat(131_072);
         assert_eq!(round_trip(&most), most);
+        assert_eq!(round_trip("0e-16383"), format!("0.{}", "0".repeat(16_383)));
         let finest = format!("0.{}1", "0".repeat(16_382));
         assert_eq!(round_trip(&finest), finest);
         for bad in [
-            "", " ", "-", "+", ".", "-.", "1e", "1e+", "e5", "abc", "1.2.3", "1 2", "0x10", "1_000", "--1", "-nan",
+            "", " ", "-", "+", ".", "-.", "1e", "1e+", "1e-", "1e 5x", "1e5.5", "e5", "abc", "1.2.3", "1 2", "0x10",
+            "1_000", "--1", "-nan", "+nan", "infin", "\u{a0}5",
         ] {
             assert_eq!(param(bad).err(), Some(Refusal::Syntax), "{bad:?}");
         }
@@ -341,6 +408,9 @@ mod tests {
             format!("0.{}1", "0".repeat(16_383)),
             "1e131072".to_string(),
             "1e-16384".to_string(),
+            "0e-16384".to_string(),
+            "0e1073741823".to_string(),
+            "0e2000000000".to_string(),
             "1e99999999999999999999".to_string(),
         ] {
             assert_eq!(param(&out).err(), Some(Refusal::Range), "{}", &out[..out.len().min(12)]);
