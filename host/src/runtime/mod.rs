@@ -250,8 +250,8 @@ const TABLE_KEEP_RESIDENT: usize = 64 * 1024;
 /// no page fault there: the orders plugin's calls took six faults each, on four fresh pages,
 /// two of them read and then written (a copy-on-write fault with a TLB flush on the other
 /// CPU). Host CPU per call (`obx-bench calls`, one caller), Wasm minus native: 29–49 µs
-/// before, 15–16 µs after; in the commands suite, 169–202 µs of host CPU per Wasm command
-/// before, 136–141 after (docs/benchmarks.md). A plugin with rustc's default 1 MiB stack
+/// before, 15–16 µs after; in the commands suite, 160–202 µs of host CPU per Wasm command
+/// before, 134–141 after (docs/benchmarks.md). A plugin with rustc's default 1 MiB stack
 /// gains nothing and pays the reset of its stack's unused bottom, which that suite could not
 /// tell from its noise. The prefix stays resident in every memory slot that has served a
 /// call: at most this much per slot, `(max_concurrent_calls + 32) × 2` slots (72 MiB at the
