@@ -55,14 +55,12 @@ pub async fn run(calls: u32, rounds: usize, only: Only) -> Result<()> {
     };
     // Each round on a worker thread, as a request is served: `block_on`'s thread would add
     // a futex wake to each of the caller's round trips.
-    let wasm_round = |calls: u32| {
+    let on_worker = |handler: Handler, calls: u32| {
         let parts = parts.clone();
-        async move { tokio::spawn(wasm_round(parts, calls)).await? }
+        async move { tokio::spawn(round(parts, handler, calls)).await? }
     };
-    let native_round = |calls: u32| {
-        let parts = parts.clone();
-        async move { tokio::spawn(native_round(parts, calls)).await? }
-    };
+    let wasm_round = |calls: u32| on_worker(Handler::Wasm, calls);
+    let native_round = |calls: u32| on_worker(Handler::Native, calls);
     // A first round of each warms the session's statement cache and the instance pool.
     wasm_round(calls.min(500)).await?;
     native_round(calls.min(500)).await?;
@@ -108,46 +106,40 @@ pub async fn run(calls: u32, rounds: usize, only: Only) -> Result<()> {
     Ok(())
 }
 
-/// `calls` CreateOrders through the runtime, in one transaction that is rolled back: the
-/// call (a fresh Store, the guest, its `sql` and `outbox` host calls), without the
-/// dispatcher's begin and commit, which the native round leaves out too.
-async fn wasm_round(host: Parts, calls: u32) -> Result<PerCall> {
-    let plugin = host.registry.get("orders").context("orders is loaded")?;
-    let mut tx = host.sessions.begin("orders").await?;
+/// One handler of a round.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handler {
+    Wasm,
+    Native,
+}
+
+/// `calls` CreateOrders by `handler`, one after another in one transaction that is rolled
+/// back. Wasm: the call through the runtime (a fresh Store, the guest, its `sql` and `outbox`
+/// host calls), without the dispatcher's begin and commit, which the native round leaves out
+/// too. Native: the input parsed, the insert, the event built (not written: the Wasm calls'
+/// events are not either).
+async fn round(parts: Parts, handler: Handler, calls: u32) -> Result<PerCall> {
+    let plugin = parts.registry.get("orders").context("orders is loaded")?;
+    let mut tx = parts.sessions.begin("orders").await?;
     let (cpu, started) = (Cpu::now(), Instant::now());
     for c in 0..calls {
+        if handler == Handler::Native {
+            let event = native_create_order(&mut tx, c as usize).await?;
+            anyhow::ensure!(!std::hint::black_box(event).payload.is_empty(), "the event was built");
+            continue;
+        }
         let command = guest::Command {
             name: "CreateOrder".into(),
             payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
             request_id: String::new(),
         };
-        let output = host.runtime.handle_command(&plugin, tx, command, None).await;
+        let output = parts.runtime.handle_command(&plugin, tx, command, None).await;
         output.result.map_err(|e| anyhow::anyhow!("CreateOrder: {e:?}"))?;
         anyhow::ensure!(output.events.len() == 1, "CreateOrder emits one event");
         tx = output.tx.context("the call kept its transaction")?;
     }
     let wall = started.elapsed();
     let cpu = cpu.per_command(calls as u64).host;
-    tx.rollback().await?;
-    Ok(PerCall {
-        cpu,
-        wall: wall.as_secs_f64() * 1e6 / calls as f64,
-    })
-}
-
-/// The native handler's part of the same calls: the input parsed, the insert, the event
-/// built (not written: the Wasm round's events are not either).
-async fn native_round(host: Parts, calls: u32) -> Result<PerCall> {
-    let mut tx = host.sessions.begin("orders").await?;
-    let (cpu, started) = (Cpu::now(), Instant::now());
-    let mut built = 0usize;
-    for c in 0..calls {
-        let event = native_create_order(&mut tx, c as usize).await?;
-        built += std::hint::black_box(event).payload.len();
-    }
-    let wall = started.elapsed();
-    let cpu = cpu.per_command(calls as u64).host;
-    anyhow::ensure!(built > 0, "events were built");
     tx.rollback().await?;
     Ok(PerCall {
         cpu,

@@ -192,12 +192,17 @@ impl Decimal {
     }
 }
 
+/// The `i`th 16-bit word of a binary `numeric`: its count, weight, sign and scale, then its
+/// digits.
+fn word(bytes: &[u8], i: usize) -> Option<i16> {
+    bytes.get(i * 2..i * 2 + 2).map(|b| i16::from_be_bytes([b[0], b[1]]))
+}
+
 /// At most how long [`text`] makes this binary `numeric`: four digits per base-10000 digit
 /// before the point (a few bytes on the wire can stand for 131,072 digits), and the display
 /// scale after it.
 pub(super) fn text_len(bytes: &[u8]) -> Result<usize, String> {
-    let word = |i: usize| bytes.get(i * 2..i * 2 + 2).map(|b| i16::from_be_bytes([b[0], b[1]]));
-    let (Some(weight), Some(dscale)) = (word(1), word(3)) else {
+    let (Some(weight), Some(dscale)) = (word(bytes, 1), word(bytes, 3)) else {
         return Err("truncated numeric".into());
     };
     let integral = if weight < 0 { 1 } else { 4 * (weight as usize + 1) };
@@ -212,17 +217,12 @@ pub(super) fn text_len(bytes: &[u8]) -> Result<usize, String> {
 /// scale: `12.50` stays `12.50`, and no precision is lost on the way.
 pub(super) fn text(bytes: &[u8]) -> Result<String, String> {
     use std::fmt::Write;
-    let word = |i: usize| -> Result<i16, String> {
-        bytes
-            .get(i * 2..i * 2 + 2)
-            .map(|b| i16::from_be_bytes([b[0], b[1]]))
-            .ok_or("truncated numeric".to_string())
-    };
+    let field = |i: usize| word(bytes, i).ok_or("truncated numeric".to_string());
     let (ndigits, weight, sign, dscale) = (
-        word(0)? as u16 as usize,
-        word(1)?,
-        word(2)? as u16,
-        word(3)? as u16 as usize,
+        field(0)? as u16 as usize,
+        field(1)?,
+        field(2)? as u16,
+        field(3)? as u16 as usize,
     );
     match sign {
         NAN => return Ok("NaN".into()),
@@ -233,17 +233,19 @@ pub(super) fn text(bytes: &[u8]) -> Result<String, String> {
     }
     // What Postgres's own `numeric_recv` checks: as many digits as the count says, each a
     // base-10000 digit (a wider one would be written longer than `text_len` allowed for).
-    let well_formed = bytes.len() == 8 + 2 * ndigits
-        && (0..ndigits).all(|d| word(4 + d).is_ok_and(|digit| (0..10_000).contains(&digit)));
-    if !well_formed {
+    let digits: Vec<i16> = (0..ndigits)
+        .map_while(|d| word(bytes, 4 + d).filter(|digit| (0..10_000).contains(digit)))
+        .collect();
+    if bytes.len() != 8 + 2 * ndigits || digits.len() != ndigits {
         return Err("malformed numeric".into());
     }
-    let digit = |d: i32| -> Result<i16, String> {
-        if d >= 0 && (d as usize) < ndigits {
-            word(4 + d as usize)
-        } else {
-            Ok(0)
-        }
+    // Digits past either end are zeros.
+    let digit = |d: i32| {
+        usize::try_from(d)
+            .ok()
+            .and_then(|d| digits.get(d))
+            .copied()
+            .unwrap_or(0)
     };
     let mut out = String::new();
     if sign == NEGATIVE {
@@ -254,9 +256,9 @@ pub(super) fn text(bytes: &[u8]) -> Result<String, String> {
     } else {
         for d in 0..=i32::from(weight) {
             let _ = if d == 0 {
-                write!(out, "{}", digit(d)?)
+                write!(out, "{}", digit(d))
             } else {
-                write!(out, "{:04}", digit(d)?)
+                write!(out, "{:04}", digit(d))
             };
         }
     }
@@ -264,7 +266,7 @@ pub(super) fn text(bytes: &[u8]) -> Result<String, String> {
         let mut fraction = String::with_capacity(dscale + 4);
         let mut d = i32::from(weight) + 1;
         while fraction.len() < dscale {
-            let _ = write!(fraction, "{:04}", digit(d)?);
+            let _ = write!(fraction, "{:04}", digit(d));
             d += 1;
         }
         fraction.truncate(dscale);
