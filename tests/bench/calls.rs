@@ -41,10 +41,17 @@ struct Parts {
     runtime: Arc<obx::runtime::Runtime>,
     registry: Arc<obx::runtime::registry::Registry>,
     sessions: Arc<obx::db::sessions::Sessions>,
+    dispatcher: Arc<obx::dispatch::Dispatcher>,
+    /// Each call a whole command, BEGIN to COMMIT.
+    whole: bool,
 }
 
-pub async fn run(calls: u32, rounds: usize, only: Only) -> Result<()> {
-    out!("## One call's cost to the host: CreateOrder, one caller, {calls} calls a round\n");
+pub async fn run(calls: u32, rounds: usize, only: Only, whole: bool) -> Result<()> {
+    if whole {
+        out!("## One command's cost to the host: CreateOrder, BEGIN to COMMIT, one caller, {calls} commands a round\n");
+    } else {
+        out!("## One call's cost to the host: CreateOrder, one caller, {calls} calls a round\n");
+    }
     let env = Env::start()?;
     let plugins = tempfile::tempdir()?;
     let (host, _url) = orders_host(&env, plugins.path(), 1).await?;
@@ -52,6 +59,8 @@ pub async fn run(calls: u32, rounds: usize, only: Only) -> Result<()> {
         runtime: host.runtime.clone(),
         registry: host.registry.clone(),
         sessions: host.sessions.clone(),
+        dispatcher: host.dispatcher.clone(),
+        whole,
     };
     // Each round on a worker thread, as a request is served: `block_on`'s thread would add
     // a futex wake to each of the caller's round trips.
@@ -119,6 +128,9 @@ enum Handler {
 /// too. Native: the input parsed, the insert, the event built (not written: the Wasm calls'
 /// events are not either).
 async fn round(parts: Parts, handler: Handler, calls: u32) -> Result<PerCall> {
+    if parts.whole {
+        return whole_round(parts, handler, calls).await;
+    }
     let plugin = parts.registry.get("orders").context("orders is loaded")?;
     let mut tx = parts.sessions.begin("orders").await?;
     let (cpu, started) = (Cpu::now(), Instant::now());
@@ -144,5 +156,22 @@ async fn round(parts: Parts, handler: Handler, calls: u32) -> Result<PerCall> {
     Ok(PerCall {
         cpu,
         wall: wall.as_secs_f64() * 1e6 / calls as f64,
+    })
+}
+
+/// `calls` whole CreateOrder commands by `handler`, one after another, each in a transaction
+/// of its own: native, the session's BEGIN, the handler, the outbox row with the COMMIT;
+/// Wasm, the same through the dispatcher (its spans, metrics and checks included).
+async fn whole_round(parts: Parts, handler: Handler, calls: u32) -> Result<PerCall> {
+    let (cpu, started) = (Cpu::now(), Instant::now());
+    for c in 0..calls as usize {
+        match handler {
+            Handler::Native => crate::native_command(&parts.sessions, c).await?,
+            Handler::Wasm => crate::wasm_command(&parts.dispatcher, c, false).await?,
+        }
+    }
+    Ok(PerCall {
+        cpu: cpu.per_command(calls as u64).host,
+        wall: started.elapsed().as_secs_f64() * 1e6 / calls as f64,
     })
 }

@@ -131,6 +131,10 @@ enum Bench {
         rounds: usize,
         #[arg(long, value_enum, default_value = "both")]
         only: calls::Only,
+        /// Each call a whole command, BEGIN to COMMIT: the native handler's in the host's
+        /// transaction shape, and the Wasm one through the dispatcher.
+        #[arg(long)]
+        whole: bool,
     },
     /// Commands/s over HTTP: wrk against `POST /v1/commands/orders/CreateOrder`, with the
     /// relay and the inventory consumer running; pgbench with the same SQL in the same run.
@@ -191,7 +195,12 @@ fn main() -> Result<()> {
                 connections,
                 profile,
             } => http::run(duration, connections, profile).await,
-            Bench::Calls { calls, rounds, only } => calls::run(calls, rounds, only).await,
+            Bench::Calls {
+                calls,
+                rounds,
+                only,
+                whole,
+            } => calls::run(calls, rounds, only, whole).await,
             Bench::Rss => rss().await,
             Bench::Timers { rate, duration } => timers::run(rate, duration).await,
             Bench::Consume { events } => consume(events).await,
@@ -1294,19 +1303,7 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
-                let mut tx = sessions.begin("orders").await?;
-                let event = native_create_order(&mut tx, c).await?;
-                let rows = obx::outbox::writer::CallRows {
-                    version: "0.1.0",
-                    traceparent: TRACEPARENT,
-                    events: &[event],
-                };
-                let per_statement = obx::outbox::writer::PerStatement {
-                    events: 1000,
-                    payload_bytes: 16 << 20,
-                };
-                obx::outbox::writer::insert_at_commit(&mut tx, &[rows], per_statement);
-                tx.commit().await?;
+                native_command(&sessions, c).await?;
                 done += 1;
                 done_total.fetch_add(1, Ordering::Relaxed);
             }
@@ -1318,6 +1315,24 @@ async fn native_orders(host: &obx::app::Host, clients: usize, duration: Duration
         total += r??;
     }
     Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// One whole native command for caller `c`, in the host's transaction shape: a plugin
+/// session's BEGIN, the handler, the outbox row written with the COMMIT.
+async fn native_command(sessions: &obx::db::sessions::Sessions, c: usize) -> Result<()> {
+    let mut tx = sessions.begin("orders").await?;
+    let event = native_create_order(&mut tx, c).await?;
+    let rows = obx::outbox::writer::CallRows {
+        version: "0.1.0",
+        traceparent: TRACEPARENT,
+        events: &[event],
+    };
+    let per_statement = obx::outbox::writer::PerStatement {
+        events: 1000,
+        payload_bytes: 16 << 20,
+    };
+    obx::outbox::writer::insert_at_commit(&mut tx, &[rows], per_statement);
+    Ok(tx.commit().await?)
 }
 
 /// The native handler's work for caller `c`: its input parsed, the order inserted in `tx`,
@@ -1367,18 +1382,7 @@ async fn wasm_orders(
         tasks.spawn(async move {
             let mut done = 0u64;
             while started.elapsed() < duration {
-                let request = obx::dispatch::CommandRequest {
-                    plugin: "orders".into(),
-                    command: "CreateOrder".into(),
-                    payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
-                    idempotency_key: keys.then(|| uuid::Uuid::now_v7().to_string()),
-                    request_id: String::new(),
-                    parent_trace: None,
-                };
-                dispatcher
-                    .run_command(request)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("CreateOrder: {e}"))?;
+                wasm_command(&dispatcher, c, keys).await?;
                 done += 1;
                 done_total.fetch_add(1, Ordering::Relaxed);
             }
@@ -1390,6 +1394,24 @@ async fn wasm_orders(
         total += r??;
     }
     Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// One CreateOrder for caller `c` through the dispatcher (with `key`, with an
+/// `Idempotency-Key` of its own).
+async fn wasm_command(dispatcher: &obx::dispatch::Dispatcher, c: usize, key: bool) -> Result<()> {
+    let request = obx::dispatch::CommandRequest {
+        plugin: "orders".into(),
+        command: "CreateOrder".into(),
+        payload: json!({ "customerId": format!("c-{c}"), "amount": 10 }).to_string(),
+        idempotency_key: key.then(|| uuid::Uuid::now_v7().to_string()),
+        request_id: String::new(),
+        parent_trace: None,
+    };
+    dispatcher
+        .run_command(request)
+        .await
+        .map_err(|e| anyhow::anyhow!("CreateOrder: {e}"))?;
+    Ok(())
 }
 
 /// The ten plugins of the memory figure: the examples, the test plugins, and copies of
@@ -1507,7 +1529,8 @@ async fn rss() -> Result<()> {
 /// Runs every suite, then writes the report and its charts.
 async fn report(path: &std::path::Path) -> Result<()> {
     commands(Duration::from_secs(6), 16, 5, false).await?;
-    calls::run(5000, 6, calls::Only::Both).await?;
+    calls::run(5000, 6, calls::Only::Both, false).await?;
+    calls::run(2000, 6, calls::Only::Both, true).await?;
     let charts = path.parent().unwrap_or(std::path::Path::new(".")).join("bench");
     profile_commands(Duration::from_secs(8), 16, &charts).await?;
     http::run(Duration::from_secs(10), 16, true).await?;
