@@ -18,7 +18,8 @@ use crate::dispatch::Dispatcher;
 use crate::inbox::processor::Processor;
 use crate::inbox::supervisor::Supervisor;
 use crate::kafka::Brokers;
-use crate::outbox::relay::{self, Relay};
+use crate::outbox::notifier;
+use crate::outbox::relay::Relay;
 use crate::retention;
 use crate::runtime::cache::CacheSettings;
 use crate::runtime::registry::Registry;
@@ -104,7 +105,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
         };
         tasks.push(tokio::spawn(relay.run()));
     }
-    tasks.push(tokio::spawn(relay::run_notifier(
+    tasks.push(tokio::spawn(notifier::run(
         url.clone(),
         signal.subscribe(),
         tasks_stopped.clone(),

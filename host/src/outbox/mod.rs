@@ -7,6 +7,7 @@
 //! * Nothing in the command or event path talks to Kafka. Only the relay does, and only
 //!   about rows that are already committed.
 
+pub mod notifier;
 pub mod relay;
 pub mod replay;
 pub mod writer;

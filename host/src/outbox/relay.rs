@@ -1036,7 +1036,7 @@ fn next_backoff(backoff: &mut Duration, max: Duration) -> Duration {
 }
 
 /// Registers this relay as a member, so that the others count it when they share shards.
-async fn join(conn: &mut PgConnection, locks: LockSpace) -> Result<()> {
+pub(crate) async fn join(conn: &mut PgConnection, locks: LockSpace) -> Result<()> {
     loop {
         let member: i32 = rand_i32();
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
@@ -1074,6 +1074,20 @@ pub(super) fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, most_r
 
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
 /// still in flight is not given up, so that a hand-over never sends a row twice.
+/// How many relays run on this installation's database, on any host: the host user's
+/// sessions that hold a relay's membership lock (a plugin session is never counted).
+pub(crate) async fn members(conn: &mut PgConnection, locks: LockSpace) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
+           AND a.usename = current_user \
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+    )
+    .bind(locks.member as i64)
+    .fetch_one(conn)
+    .await?)
+}
+
 async fn rebalance(
     conn: &mut PgConnection,
     locks: LockSpace,
@@ -1081,16 +1095,7 @@ async fn rebalance(
     busy: &HashSet<i32>,
 ) -> Result<()> {
     locks.evict_intruders(conn).await?;
-    // Members are the host user's sessions: a plugin session is never counted.
-    let members: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
-           AND a.usename = current_user \
-           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
-    )
-    .bind(locks.member as i64)
-    .fetch_one(&mut *conn)
-    .await?;
+    let members = members(conn, locks).await?;
     let fair = (SHARDS as usize).div_ceil(members.max(1) as usize);
     if held.len() > fair {
         let extra: Vec<i32> = held
@@ -1128,54 +1133,6 @@ async fn rebalance(
         held.extend(got);
     }
     Ok(())
-}
-
-/// Announces this host's outbox commits to the relays of other hosts, with `NOTIFY` sent
-/// outside the command transactions (a NOTIFY inside them would serialise their commits), at
-/// most once per 2 ms, on a connection of its own that does not wait for the disk (a lost
-/// notification only means a relay waits for its poll). Nothing is sent while this host's
-/// relay holds every shard.
-pub async fn run_notifier(
-    database_url: String,
-    mut signal: watch::Receiver<u64>,
-    mut shutdown: watch::Receiver<bool>,
-    local_relay_owns_all: Arc<AtomicBool>,
-) {
-    const COALESCE: Duration = Duration::from_millis(2);
-    let mut conn: Option<(PgConnection, String)> = None;
-    loop {
-        tokio::select! {
-            changed = signal.changed() => if changed.is_err() { break },
-            _ = shutdown.changed() => break,
-        }
-        if local_relay_owns_all.load(Ordering::Relaxed) {
-            // No other relay holds a shard: nobody to wake.
-            continue;
-        }
-        if conn.is_none() {
-            conn = notifier_connection(&database_url).await;
-        }
-        if let Some((c, channel)) = conn.as_mut() {
-            if let Err(e) = sqlx::query("SELECT pg_notify($1, '')")
-                .bind(&*channel)
-                .execute(&mut *c)
-                .await
-            {
-                tracing::debug!(error = %e, "could not notify other relays");
-                conn = None;
-            }
-        }
-        tokio::time::sleep(COALESCE).await;
-    }
-}
-
-async fn notifier_connection(database_url: &str) -> Option<(PgConnection, String)> {
-    let options = crate::db::host_options(database_url, "obx-notifier")
-        .ok()?
-        .options([("synchronous_commit", "off")]);
-    let mut conn = PgConnection::connect_with(&options).await.ok()?;
-    let channel = crate::db::installation::notify_channel(&mut conn).await.ok()?;
-    Some((conn, channel))
 }
 
 #[cfg(test)]
