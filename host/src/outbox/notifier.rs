@@ -20,8 +20,9 @@ use crate::db::locks::LockSpace;
 
 /// At most one wake-up of this task, and one `NOTIFY`, per this long.
 const COALESCE: Duration = Duration::from_millis(2);
-/// How often the relays on the database are counted again. A relay that starts meanwhile
-/// finds the rows it is given at its first claim.
+/// How often the relays on the database are counted again, and how often a lost session is
+/// opened again. A relay that starts (or comes back) meanwhile misses the wake-ups of at most
+/// this long and finds those rows at its poll.
 const RECOUNT: Duration = Duration::from_secs(1);
 
 /// The notifier's session, and what it last learnt.
@@ -29,8 +30,9 @@ struct Session {
     conn: PgConnection,
     channel: String,
     locks: LockSpace,
-    /// Relays running on the database when last counted, and when that was.
-    relays: i64,
+    /// Relays running on the database when last counted (`None`: the count failed, so any
+    /// may run), and when that was.
+    relays: Option<i64>,
     counted: Instant,
 }
 
@@ -43,23 +45,34 @@ pub async fn run(
     local_relay_owns_all: Arc<AtomicBool>,
 ) {
     let mut session: Option<Session> = None;
+    let mut opened: Option<Instant> = None;
     loop {
         tokio::select! {
             changed = signal.changed() => if changed.is_err() { break },
             _ = shutdown.changed() => break,
         }
         if !local_relay_owns_all.load(Ordering::Relaxed) {
-            if session.is_none() {
-                session = Session::open(&database_url).await;
-            }
-            if let Some(s) = session.as_mut() {
-                if let Err(e) = s.wake_relays().await {
-                    tracing::debug!(error = %e, "could not notify other relays");
-                    session = None;
-                }
+            // The database may hang; shutting down must not wait for it.
+            tokio::select! {
+                _ = notify(&database_url, &mut session, &mut opened) => {}
+                _ = shutdown.changed() => break,
             }
         }
         tokio::time::sleep(COALESCE).await;
+    }
+}
+
+/// One wake-up of the other relays, on `session` (opened at most once per [`RECOUNT`]).
+async fn notify(database_url: &str, session: &mut Option<Session>, opened: &mut Option<Instant>) {
+    if session.is_none() && opened.is_none_or(|t| t.elapsed() >= RECOUNT) {
+        *opened = Some(Instant::now());
+        *session = Session::open(database_url).await;
+    }
+    if let Some(s) = session.as_mut() {
+        if let Err(e) = s.wake_relays().await {
+            tracing::warn!(error = %e, "could not wake the other hosts' relays; they wait for their poll");
+            *session = None;
+        }
     }
 }
 
@@ -71,7 +84,7 @@ impl Session {
         let mut conn = PgConnection::connect_with(&options).await.ok()?;
         let channel = crate::db::installation::notify_channel(&mut conn).await.ok()?;
         let locks = LockSpace::load(&mut conn).await.ok()?;
-        let relays = super::relay::members(&mut conn, locks).await.ok()?;
+        let relays = relays(&mut conn, locks).await;
         Some(Session {
             conn,
             channel,
@@ -81,19 +94,42 @@ impl Session {
         })
     }
 
-    /// One `NOTIFY` on the relays' channel, if any relay runs.
-    async fn wake_relays(&mut self) -> anyhow::Result<()> {
+    /// One `NOTIFY` on the relays' channel, unless no relay runs.
+    async fn wake_relays(&mut self) -> sqlx::Result<()> {
         if self.counted.elapsed() >= RECOUNT {
-            self.relays = super::relay::members(&mut self.conn, self.locks).await?;
+            self.relays = relays(&mut self.conn, self.locks).await;
             self.counted = Instant::now();
         }
-        if self.relays > 0 {
+        if self.relays != Some(0) {
             sqlx::query("SELECT pg_notify($1, '')")
                 .bind(&self.channel)
                 .execute(&mut self.conn)
                 .await?;
         }
         Ok(())
+    }
+}
+
+/// How many relays run on this database, on any host, whatever user it logs in as: the
+/// sessions that hold a relay's membership lock, plugin sessions left out (a plugin that
+/// takes that lock is evicted by the relays). `None` if the count failed: then the
+/// notifications go out, since a needless one costs little and a missed one a poll.
+async fn relays(conn: &mut PgConnection, locks: LockSpace) -> Option<i64> {
+    let counted = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+           AND NOT EXISTS (SELECT 1 FROM obx.plugin p WHERE p.role_name = a.usename)",
+    )
+    .bind(locks.member as i64)
+    .fetch_one(conn)
+    .await;
+    match counted {
+        Ok(n) => Some(n),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not count the relays; waking them after every commit");
+            None
+        }
     }
 }
 
@@ -140,6 +176,30 @@ mod tests {
         super::super::relay::join(&mut relay, locks).await.unwrap();
         tokio::time::sleep(RECOUNT + Duration::from_millis(100)).await;
         assert!(woken_after_commits(&signal, &mut listener).await, "a relay runs");
+
+        // A burst of commits: one wake-up, and one notification, per COALESCE at most.
+        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
+            .await
+            .is_ok()
+        {}
+        let burst = Instant::now();
+        for _ in 0..2000 {
+            signal.notify();
+            tokio::task::yield_now().await;
+        }
+        let elapsed = burst.elapsed();
+        let mut told = 0u128;
+        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
+            .await
+            .is_ok()
+        {
+            told += 1;
+        }
+        let most = elapsed.as_millis() / COALESCE.as_millis() + 2;
+        assert!(
+            (1..=most).contains(&told),
+            "{told} notifications for 2000 commits in {elapsed:?}"
+        );
 
         owns_all.store(true, Ordering::Relaxed);
         while tokio::time::timeout(Duration::from_millis(100), listener.recv())

@@ -40,7 +40,7 @@
 //!
 //! **Wake-ups.** The relay wakes when this host commits outbox rows (in process), when
 //! another host does (a `NOTIFY` on the installation's random channel, sent by
-//! [`run_notifier`] outside the command transactions), and on a slow poll as a fallback.
+//! [`super::notifier`] outside the command transactions), and on a slow poll as a fallback.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1074,20 +1074,6 @@ pub(super) fn next_claim_limit(limit: u32, kept: &[OutboxRow], cut: bool, most_r
 
 /// Moves this relay's shards toward its fair share: `ceil(64 / members)`. A shard with rows
 /// still in flight is not given up, so that a hand-over never sends a row twice.
-/// How many relays run on this installation's database, on any host: the host user's
-/// sessions that hold a relay's membership lock (a plugin session is never counted).
-pub(crate) async fn members(conn: &mut PgConnection, locks: LockSpace) -> Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
-           AND a.usename = current_user \
-           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
-    )
-    .bind(locks.member as i64)
-    .fetch_one(conn)
-    .await?)
-}
-
 async fn rebalance(
     conn: &mut PgConnection,
     locks: LockSpace,
@@ -1095,7 +1081,16 @@ async fn rebalance(
     busy: &HashSet<i32>,
 ) -> Result<()> {
     locks.evict_intruders(conn).await?;
-    let members = members(conn, locks).await?;
+    // Members are the host user's sessions: a plugin session is never counted.
+    let members: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1::oid \
+           AND a.usename = current_user \
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+    )
+    .bind(locks.member as i64)
+    .fetch_one(&mut *conn)
+    .await?;
     let fair = (SHARDS as usize).div_ceil(members.max(1) as usize);
     if held.len() > fair {
         let extra: Vec<i32> = held
