@@ -236,10 +236,16 @@ pub struct CallOutput<T> {
     pub events: Vec<NewEvent>,
 }
 
-/// Freed pooled slots reset together (see `Runtime::new`): 32 rather than 8 took Wasm host
-/// CPU per command from 224 to 205 µs over five interleaved rounds. An allocation that finds
-/// no free slot resets the queued ones first, so the batch never refuses a call.
-const DECOMMIT_BATCH: usize = 32;
+/// Freed pooled slots are decommitted one at a time (see `pool`). Batches (8, then 32) paid
+/// when every call left pages past the kept prefixes; since the prefixes hold all a Rust
+/// plugin touches, its slots have nothing left to decommit, and a batch only kept each freed
+/// slot out of use until 31 more were freed, so calls went round ever colder slots. One at a
+/// time, such a slot is free again at once, with no system call, and the next call takes it
+/// warm: `obx-bench calls`, Wasm minus native, 18.5 / 20.4 µs with 32 against 15.6 / 15.3
+/// with 1; 327 `process_madvise` and 1,271 page faults in 4,000 calls against none and 414.
+/// A plugin that does leave pages there (Python, JavaScript: megabytes of heap) pays one
+/// `madvise`, and its TLB flush, per such memory per call.
+const DECOMMIT_BATCH: usize = 1;
 /// Bytes of each table reset with memset rather than decommitted (8,192 entries): a Rust
 /// plugin's table is a few hundred.
 const TABLE_KEEP_RESIDENT: usize = 64 * 1024;
@@ -591,10 +597,7 @@ fn pool(limits: &Limits) -> PoolingAllocationConfig {
         // wasmtime 48 its reset skips written pages that are swapped out, which the next
         // Store in the slot would read.
         .table_elements(state::MAX_TABLE_ELEMENTS)
-        // Freed slots are reset in batches, with one `process_madvise` and one TLB flush
-        // on every CPU, rather than each with its own: eight at a time took consumption
-        // from 6,100 to 8,300 events/s (docs/bench/changes.md). A slot serves again only
-        // after its reset.
+        // A slot serves again only after its reset.
         .decommit_batch_size(DECOMMIT_BATCH)
         // A table is zeroed with memset up to this size instead of being decommitted:
         // a guest's first call through a table reads the page, then writes it, and on a
