@@ -1626,6 +1626,7 @@ the charts were drawn by the same run. Re-run it to check them; expect some nois
 cargo xtask bench                               # everything; rewrites this file and docs/bench/
 cargo xtask bench -- commands --rounds 9        # one suite, printed only
 cargo xtask bench -- calls --calls 10000        # one call's host CPU, Wasm against native
+cargo xtask bench -- calls --whole              # the same, each call a whole command, BEGIN to COMMIT
 cargo xtask bench -- http --profile             # wrk over HTTP, relay and consumer running
 cargo xtask bench -- relay --rows 100000
 cargo xtask bench -- latency --rate 1000 --per-command 1
