@@ -140,15 +140,22 @@ mod tests {
     use crate::signal::Signal;
     use sqlx::postgres::PgListener;
 
-    /// Whether a notification reaches `listener` within a while after a burst of commits.
-    async fn woken_after_commits(signal: &Signal, listener: &mut PgListener) -> bool {
-        for _ in 0..5 {
+    /// How long commits keep coming before a test says nobody was woken.
+    const SETTLE: Duration = Duration::from_millis(600);
+
+    /// Whether a notification reaches `listener` while commits keep coming for `within`.
+    async fn woken_after_commits(signal: &Signal, listener: &mut PgListener, within: Duration) -> bool {
+        let until = Instant::now() + within;
+        while Instant::now() < until {
             signal.notify();
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            if tokio::time::timeout(Duration::from_millis(20), listener.recv())
+                .await
+                .is_ok()
+            {
+                return true;
+            }
         }
-        tokio::time::timeout(Duration::from_millis(500), listener.recv())
-            .await
-            .is_ok()
+        false
     }
 
     /// Commits wake other hosts' relays only while some relay runs and this host's own does
@@ -168,14 +175,19 @@ mod tests {
         let owns_all = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn(run(url.clone(), signal.subscribe(), stopped, owns_all.clone()));
 
-        assert!(!woken_after_commits(&signal, &mut listener).await, "no relay runs");
+        assert!(
+            !woken_after_commits(&signal, &mut listener, SETTLE).await,
+            "no relay runs"
+        );
 
         // Another host's relay joins; the notifier sees it at its next count.
         let mut relay = PgConnection::connect(&url).await.unwrap();
         let locks = LockSpace::load(&mut relay).await.unwrap();
         super::super::relay::join(&mut relay, locks).await.unwrap();
-        tokio::time::sleep(RECOUNT + Duration::from_millis(100)).await;
-        assert!(woken_after_commits(&signal, &mut listener).await, "a relay runs");
+        assert!(
+            woken_after_commits(&signal, &mut listener, Duration::from_secs(10)).await,
+            "a relay runs"
+        );
 
         // A burst of commits: one wake-up, and one notification, per COALESCE at most.
         while tokio::time::timeout(Duration::from_millis(100), listener.recv())
@@ -207,7 +219,7 @@ mod tests {
             .is_ok()
         {}
         assert!(
-            !woken_after_commits(&signal, &mut listener).await,
+            !woken_after_commits(&signal, &mut listener, SETTLE).await,
             "this host's relay holds every shard"
         );
 
