@@ -158,6 +158,18 @@ mod tests {
         false
     }
 
+    /// The notifications that reach `listener` until none has for 100 ms.
+    async fn drain(listener: &mut PgListener) -> u128 {
+        let mut told = 0;
+        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
+            .await
+            .is_ok()
+        {
+            told += 1;
+        }
+        told
+    }
+
     /// Commits wake other hosts' relays only while some relay runs and this host's own does
     /// not hold every shard; a host with no relay anywhere sends nothing.
     #[tokio::test]
@@ -190,23 +202,14 @@ mod tests {
         );
 
         // A burst of commits: one wake-up, and one notification, per COALESCE at most.
-        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
-            .await
-            .is_ok()
-        {}
+        drain(&mut listener).await;
         let burst = Instant::now();
         for _ in 0..2000 {
             signal.notify();
             tokio::task::yield_now().await;
         }
         let elapsed = burst.elapsed();
-        let mut told = 0u128;
-        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
-            .await
-            .is_ok()
-        {
-            told += 1;
-        }
+        let told = drain(&mut listener).await;
         let most = elapsed.as_millis() / COALESCE.as_millis() + 2;
         assert!(
             (1..=most).contains(&told),
@@ -214,10 +217,7 @@ mod tests {
         );
 
         owns_all.store(true, Ordering::Relaxed);
-        while tokio::time::timeout(Duration::from_millis(100), listener.recv())
-            .await
-            .is_ok()
-        {}
+        drain(&mut listener).await;
         assert!(
             !woken_after_commits(&signal, &mut listener, SETTLE).await,
             "this host's relay holds every shard"
