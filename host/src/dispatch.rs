@@ -300,16 +300,12 @@ impl Dispatcher {
         trace: &TraceContext,
     ) -> Result<CommandResponse, CommandError> {
         let started = Instant::now();
-        let result = self.run_command_inner(req, trace).await;
-        let outcome = match &result {
-            Ok(r) if r.replayed => "replayed",
-            Ok(_) => "ok",
-            Err(e) => e.code(),
+        let plugin = self.registry.get(&req.plugin);
+        let result = match &plugin {
+            Some(plugin) => self.run_command_inner(plugin, req, trace).await,
+            None => Err(CommandError::UnknownPlugin(req.plugin.clone())),
         };
-        let (plugin, command) = metric_labels(req, &result);
-        metrics::counter!("obx_commands_total", "plugin" => plugin.clone(), "command" => command, "outcome" => outcome)
-            .increment(1);
-        metrics::histogram!("obx_command_duration_seconds", "plugin" => plugin).record(started.elapsed().as_secs_f64());
+        record_command(plugin.as_deref(), req, &result, started.elapsed());
         match &result {
             Err(e) if e.status() >= 500 => tracing::warn!(
                 plugin = %req.plugin, command = %req.command, request_id = %req.request_id,
@@ -326,13 +322,10 @@ impl Dispatcher {
 
     async fn run_command_inner(
         &self,
+        plugin: &Plugin,
         req: &CommandRequest,
         trace: &TraceContext,
     ) -> Result<CommandResponse, CommandError> {
-        let plugin = self
-            .registry
-            .get(&req.plugin)
-            .ok_or_else(|| CommandError::UnknownPlugin(req.plugin.clone()))?;
         if !plugin.manifest.commands.iter().any(|c| c == &req.command) {
             return Err(CommandError::UnknownCommand {
                 plugin: req.plugin.clone(),
@@ -466,6 +459,34 @@ impl Dispatcher {
         }
         Ok(())
     }
+}
+
+/// Counts a command in `obx_commands_total` and records its duration: a command that ran
+/// its plugin's handler and succeeded through the plugin's handles, which need no label
+/// strings or lookups; any other outcome through the recorder.
+fn record_command(
+    plugin: Option<&Plugin>,
+    req: &CommandRequest,
+    result: &Result<CommandResponse, CommandError>,
+    took: std::time::Duration,
+) {
+    if let (Some(plugin), Ok(CommandResponse { replayed: false, .. })) = (plugin, result) {
+        let handles = plugin.identity.metrics();
+        if let Some(ok) = handles.command_ok(&req.command) {
+            ok.increment(1);
+            handles.command_duration.record(took.as_secs_f64());
+            return;
+        }
+    }
+    let outcome = match result {
+        Ok(r) if r.replayed => "replayed",
+        Ok(_) => "ok",
+        Err(e) => e.code(),
+    };
+    let (plugin, command) = metric_labels(req, result);
+    metrics::counter!("obx_commands_total", "plugin" => plugin.clone(), "command" => command, "outcome" => outcome)
+        .increment(1);
+    metrics::histogram!("obx_command_duration_seconds", "plugin" => plugin).record(took.as_secs_f64());
 }
 
 /// The plugin and command labels of a command's metrics: names the caller sent that no loaded

@@ -3,6 +3,7 @@
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::EnvFilter;
 
 /// How the log is written: `--log-format`, or `OBX_LOG_FORMAT`.
@@ -19,17 +20,45 @@ pub enum LogFormat {
 /// never with `NO_COLOR` set.
 pub fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let result = match format {
-        LogFormat::Json => builder.with_ansi(false).json().try_init(),
-        LogFormat::Text => builder.with_ansi(colour).try_init(),
-    };
+    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry();
     // A second init (tests start several hosts in one process) keeps the first subscriber.
-    drop(result);
+    let _installed = match (log_filter(std::env::var("RUST_LOG").ok()), format) {
+        (LogFilter::Targets(t), LogFormat::Json) => {
+            registry.with(layer.with_ansi(false).json()).with(t).try_init().is_ok()
+        }
+        (LogFilter::Targets(t), LogFormat::Text) => registry.with(layer.with_ansi(colour)).with(t).try_init().is_ok(),
+        (LogFilter::Env(f), LogFormat::Json) => builder.with_env_filter(f).with_ansi(false).json().try_init().is_ok(),
+        (LogFilter::Env(f), LogFormat::Text) => builder.with_env_filter(f).with_ansi(colour).try_init().is_ok(),
+    };
+}
+
+/// What filters the log.
+enum LogFilter {
+    /// Targets and levels only: decided once per call site, at no cost when a span is
+    /// entered or left.
+    Targets(Targets),
+    /// Directives on spans or fields, which `Targets` cannot express. `EnvFilter` takes a
+    /// shared lock on every entry into and exit from a span, also for the spans it does not
+    /// filter (a command's span is entered at each of its polls), so it is used only for them.
+    Env(EnvFilter),
+}
+
+/// The filter for `RUST_LOG` (unset: `info`). A value of targets and levels only
+/// (`info`, `obx=debug,sqlx=warn`) filters exactly as `EnvFilter` would, without its cost;
+/// anything else (a span or field directive, an empty or unreadable value) goes to
+/// `EnvFilter` as before.
+fn log_filter(rust_log: Option<String>) -> LogFilter {
+    let spec = rust_log.unwrap_or_else(|| "info".into());
+    let plain = !spec.trim().is_empty() && !spec.contains(['[', '{', '"', '/']);
+    match spec.parse::<Targets>() {
+        Ok(targets) if plain => LogFilter::Targets(targets),
+        _ => LogFilter::Env(EnvFilter::try_new(&spec).unwrap_or_else(|_| EnvFilter::new("info"))),
+    }
 }
 
 /// Bucket bounds, in seconds, of every duration histogram (`*_seconds`): fine in the
@@ -127,7 +156,35 @@ async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
 mod tests {
     use std::time::Duration;
 
-    use super::gauge_wait;
+    use tracing::Level;
+
+    use super::{gauge_wait, log_filter, LogFilter};
+
+    /// `RUST_LOG` of targets and levels takes the lock-free filter and means what it meant
+    /// with `EnvFilter`; directives on spans or fields, and an empty value, keep `EnvFilter`.
+    #[test]
+    fn plain_rust_log_values_filter_by_target_and_level_and_the_rest_keep_env_filter() {
+        let targets = |v: Option<&str>| match log_filter(v.map(str::to_string)) {
+            LogFilter::Targets(t) => t,
+            LogFilter::Env(f) => panic!("{v:?} should filter by targets, got {f}"),
+        };
+        let unset = targets(None);
+        assert!(unset.would_enable("obx::dispatch", &Level::INFO));
+        assert!(!unset.would_enable("obx::dispatch", &Level::DEBUG));
+        let mixed = targets(Some("warn,obx::dispatch=trace,sqlx=error"));
+        assert!(mixed.would_enable("obx::dispatch::x", &Level::TRACE));
+        assert!(!mixed.would_enable("obx::relay", &Level::INFO));
+        assert!(mixed.would_enable("obx::relay", &Level::WARN));
+        assert!(!mixed.would_enable("sqlx::query", &Level::WARN));
+        let off = targets(Some("OFF"));
+        assert!(!off.would_enable("obx", &Level::ERROR));
+        for v in ["obx[command{plugin=orders}]=debug", "obx[command]=debug", "", "  "] {
+            assert!(
+                matches!(log_filter(Some(v.into())), LogFilter::Env(_)),
+                "{v:?} needs EnvFilter"
+            );
+        }
+    }
 
     /// A slow reading of the gauges spaces the next one out: they keep at most a twentieth
     /// of a session busy, and are read at least every five minutes.

@@ -111,6 +111,8 @@ pub(crate) struct PluginIdentity {
     pub schema: String,
     /// Whether the plugin exports `timer-handler` (only then may it schedule timers).
     pub(crate) timed: bool,
+    /// The commands the manifest declares.
+    commands: Vec<String>,
     /// The event types the manifest declares, by topic.
     emits: HashMap<String, HashSet<String>>,
     /// Statements already checked by the SQL policy, with their verdicts.
@@ -146,6 +148,7 @@ impl PluginIdentity {
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             schema: manifest.schema().to_string(),
+            commands: manifest.commands.clone(),
             emits: manifest.emits.iter().fold(HashMap::new(), |mut by_topic, e| {
                 by_topic
                     .entry(e.topic.clone())
@@ -166,7 +169,8 @@ impl PluginIdentity {
 
     /// The plugin's metric handles.
     pub(crate) fn metrics(&self) -> &call_metrics::CallMetrics {
-        self.metrics.get_or_init(|| call_metrics::CallMetrics::new(&self.name))
+        self.metrics
+            .get_or_init(|| call_metrics::CallMetrics::new(&self.name, &self.commands))
     }
 
     /// Runs `sql` through the policy, remembering the verdict.
