@@ -187,6 +187,10 @@ async fn metrics_move_as_events_flow() {
         let before = sample(&before, name, labels).unwrap_or(0.0);
         move |now: &str| sample(now, name, labels).is_some_and(|v| v > before)
     };
+    let moved_by = |by: f64, name: &'static str, labels: &'static str| {
+        let before = sample(&before, name, labels).unwrap_or(0.0);
+        move |now: &str| sample(now, name, labels).is_some_and(|v| v >= before + by)
+    };
     type Check = Box<dyn Fn(&str) -> bool>;
     let checks: Vec<(&str, Check)> = vec![
         ("outbox published", Box::new(moved("obx_outbox_published_total", ""))),
@@ -238,6 +242,26 @@ async fn metrics_move_as_events_flow() {
         (
             "plugin loads",
             Box::new(|m: &str| sample(m, "obx_plugin_loads_total", "plugin=\"orders\"").is_some()),
+        ),
+        (
+            // Counted through the plugin's own handles: all five, under their command.
+            "commands that succeeded",
+            Box::new(moved_by(
+                5.0,
+                "obx_commands_total",
+                "plugin=\"orders\",command=\"CreateOrder\",outcome=\"ok\"",
+            )),
+        ),
+        (
+            "command latency",
+            Box::new(moved_by(5.0, "obx_command_duration_seconds_count", "plugin=\"orders\"")),
+        ),
+        (
+            "commands that failed",
+            Box::new(moved(
+                "obx_commands_total",
+                "plugin=\"testbed\",command=\"trap\",outcome=\"plugin_trap\"",
+            )),
         ),
     ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

@@ -38,6 +38,7 @@ pub fn init_logging(format: LogFormat) {
 }
 
 /// What filters the log.
+#[expect(clippy::large_enum_variant, reason = "made once, when the log is set up")]
 enum LogFilter {
     /// Targets and levels only: decided once per call site, at no cost when a span is
     /// entered or left.

@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
@@ -25,11 +24,17 @@ use crate::otel::{self, Kind};
 use crate::outbox::{self, writer};
 use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
-use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
+use crate::runtime::{CallError, CallOutput, Plugin, Runtime};
 use crate::signal::Signal;
-use crate::text::clipped;
 use crate::trace::TraceContext;
 use tracing::Instrument;
+
+mod error;
+mod observe;
+
+pub use error::CommandError;
+use error::{db_error, describe_call_error};
+use observe::{call_span, count_outcome, end_call_span, record_command};
 
 tokio::task_local! {
     /// Set, within the work of [`noting_commit`], once a command's `COMMIT` has been sent.
@@ -78,146 +83,6 @@ pub struct CommandResponse {
     /// JSON.
     pub body: Vec<u8>,
     pub replayed: bool,
-}
-
-/// Why a command did not succeed. Each maps to one HTTP status and one stable code; the
-/// message is safe to show to clients (no database text, no guest internals).
-#[derive(Debug, thiserror::Error)]
-pub enum CommandError {
-    #[error("there is no plugin named {0:?}")]
-    UnknownPlugin(String),
-    #[error("plugin {plugin:?} has no command {command:?}")]
-    UnknownCommand { plugin: String, command: String },
-    #[error("{message}")]
-    Rejected { reason: String, message: String },
-    #[error("{0}")]
-    InvalidInput(String),
-    #[error("the handler failed")]
-    HandlerFailed(String),
-    #[error("the handler could not complete its transaction")]
-    Aborted(String),
-    #[error("the plugin trapped")]
-    Trapped(String),
-    #[error("the plugin exceeded its memory limit")]
-    MemoryLimit(String),
-    #[error("the handler ran past its deadline")]
-    Deadline,
-    #[error("the handler returned an invalid response")]
-    InvalidResponse(String),
-    #[error("this Idempotency-Key was used with a different request")]
-    IdempotencyKeyReused,
-    #[error("a request with this Idempotency-Key is still running; retry when it has been answered")]
-    IdempotencyKeyInUse,
-    #[error("the host is at capacity; retry later")]
-    Busy,
-    #[error("the host could not reach its database")]
-    Database(#[source] anyhow::Error),
-    /// The commit's connection failed, or the host ended a commit that ran past its bound:
-    /// the command may have taken effect.
-    #[error("the command's commit did not complete: it may have taken effect; a retry with the same Idempotency-Key answers what it came to")]
-    OutcomeUnknown(String),
-}
-
-impl CommandError {
-    pub fn status(&self) -> u16 {
-        use CommandError::*;
-        match self {
-            UnknownPlugin(_) | UnknownCommand { .. } => 404,
-            Rejected { .. } | IdempotencyKeyInUse => 409,
-            InvalidInput(_) => 400,
-            IdempotencyKeyReused => 422,
-            HandlerFailed(_) | Aborted(_) | Trapped(_) | MemoryLimit(_) | InvalidResponse(_) => 500,
-            Busy | Database(_) => 503,
-            Deadline | OutcomeUnknown(_) => 504,
-        }
-    }
-
-    pub fn code(&self) -> &'static str {
-        use CommandError::*;
-        match self {
-            UnknownPlugin(_) => "unknown_plugin",
-            UnknownCommand { .. } => "unknown_command",
-            Rejected { .. } => "rejected",
-            InvalidInput(_) => "invalid_input",
-            HandlerFailed(_) => "handler_failed",
-            Aborted(_) => "transaction_aborted",
-            Trapped(_) => "plugin_trap",
-            MemoryLimit(_) => "memory_limit",
-            Deadline => "deadline_exceeded",
-            InvalidResponse(_) => "invalid_response",
-            IdempotencyKeyReused => "idempotency_key_reused",
-            IdempotencyKeyInUse => "idempotency_key_in_use",
-            Busy => "busy",
-            Database(_) => "database_unavailable",
-            OutcomeUnknown(_) => "outcome_unknown",
-        }
-    }
-
-    /// The JSON error body clients get.
-    pub fn body(&self) -> serde_json::Value {
-        let mut error = json!({ "code": self.code(), "message": self.to_string() });
-        if let CommandError::Rejected { reason, .. } = self {
-            error["reason"] = json!(reason);
-        }
-        json!({ "error": error })
-    }
-
-    /// What the log should say: the hidden detail, for the operator.
-    fn detail(&self) -> Option<&str> {
-        use CommandError::*;
-        match self {
-            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) | OutcomeUnknown(d) => {
-                Some(d)
-            }
-            _ => None,
-        }
-    }
-}
-
-/// A handler's error, with what the guest wrote cut at [`MAX_GUEST_TEXT`] bytes: it goes to
-/// the client, into the stored answer of an `Idempotency-Key` and into the log, and its
-/// length is the plugin's choice (up to its memory limit).
-impl From<HandlerError> for CommandError {
-    fn from(e: HandlerError) -> CommandError {
-        let cut = |text: String| match text.len() <= MAX_GUEST_TEXT {
-            true => text,
-            false => clipped(&text, MAX_GUEST_TEXT).into_owned(),
-        };
-        match e {
-            HandlerError::Rejected(r) => CommandError::Rejected {
-                reason: cut(r.code),
-                message: cut(r.message),
-            },
-            HandlerError::InvalidInput(m) => CommandError::InvalidInput(cut(m)),
-            HandlerError::Failed(m) => CommandError::HandlerFailed(cut(m)),
-        }
-    }
-}
-
-impl From<CallError> for CommandError {
-    fn from(e: CallError) -> CommandError {
-        match e {
-            CallError::Handler(h) => h.into(),
-            CallError::Aborted(reason) => CommandError::Aborted(reason),
-            CallError::Trapped(Trap::Deadline) => CommandError::Deadline,
-            CallError::Trapped(Trap::Memory(m)) => CommandError::MemoryLimit(m),
-            CallError::Trapped(Trap::Fault(m)) => CommandError::Trapped(m),
-            CallError::Busy => CommandError::Busy,
-        }
-    }
-}
-
-fn db_error(e: impl Into<anyhow::Error>) -> CommandError {
-    let e = e.into();
-    let timed_out = matches!(e.downcast_ref::<sqlx::Error>(), Some(sqlx::Error::PoolTimedOut))
-        || matches!(
-            e.downcast_ref::<SessionError>(),
-            Some(SessionError::Database(sqlx::Error::PoolTimedOut))
-        );
-    if timed_out {
-        return CommandError::Busy;
-    }
-    CommandError::Database(e)
 }
 
 /// The savepoint that separates a command's effects from its idempotency record.
@@ -342,8 +207,8 @@ impl Dispatcher {
             payload: req.payload.clone(),
             request_id: req.request_id.clone(),
         };
-        let call = call_span(&plugin, "handle-command", trace);
-        let CallOutput { result, tx, events } = self.runtime.handle_command(&plugin, tx, command, Some(*trace)).await;
+        let call = call_span(plugin, "handle-command", trace);
+        let CallOutput { result, tx, events } = self.runtime.handle_command(plugin, tx, command, Some(*trace)).await;
         end_call_span(call, &result, events.len());
         let Some(mut tx) = tx else {
             return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
@@ -354,7 +219,7 @@ impl Dispatcher {
                 Ok(()) => {
                     let body = response.into_bytes();
                     let answer = idempotency.as_ref().map(|(k, _)| (*k, 200, &body[..]));
-                    self.commit(tx, &plugin, trace, &events, answer).await?;
+                    self.commit(tx, plugin, trace, &events, answer).await?;
                     return Ok(CommandResponse {
                         status: 200,
                         body,
@@ -461,46 +326,6 @@ impl Dispatcher {
     }
 }
 
-/// Counts a command in `obx_commands_total` and records its duration: a command that ran
-/// its plugin's handler and succeeded through the plugin's handles, which need no label
-/// strings or lookups; any other outcome through the recorder.
-fn record_command(
-    plugin: Option<&Plugin>,
-    req: &CommandRequest,
-    result: &Result<CommandResponse, CommandError>,
-    took: std::time::Duration,
-) {
-    if let (Some(plugin), Ok(CommandResponse { replayed: false, .. })) = (plugin, result) {
-        let handles = plugin.identity.metrics();
-        if let Some(ok) = handles.command_ok(&req.command) {
-            ok.increment(1);
-            handles.command_duration.record(took.as_secs_f64());
-            return;
-        }
-    }
-    let outcome = match result {
-        Ok(r) if r.replayed => "replayed",
-        Ok(_) => "ok",
-        Err(e) => e.code(),
-    };
-    let (plugin, command) = metric_labels(req, result);
-    metrics::counter!("obx_commands_total", "plugin" => plugin.clone(), "command" => command, "outcome" => outcome)
-        .increment(1);
-    metrics::histogram!("obx_command_duration_seconds", "plugin" => plugin).record(took.as_secs_f64());
-}
-
-/// The plugin and command labels of a command's metrics: names the caller sent that no loaded
-/// plugin knows are counted as `unknown`, so that a client cannot add a metric series, held
-/// for the host's life, with every name it makes up.
-fn metric_labels(req: &CommandRequest, result: &Result<CommandResponse, CommandError>) -> (String, String) {
-    const UNKNOWN: &str = "unknown";
-    match result {
-        Err(CommandError::UnknownPlugin(_)) => (UNKNOWN.into(), UNKNOWN.into()),
-        Err(CommandError::UnknownCommand { .. }) => (req.plugin.clone(), UNKNOWN.into()),
-        _ => (req.plugin.clone(), req.command.clone()),
-    }
-}
-
 /// Why an event handler did not take effect.
 pub struct EventFailure {
     /// For logs, `last_error` and the dead-letter table (the operator's eyes only).
@@ -527,30 +352,6 @@ impl Emitted {
     /// The bytes of its events.
     pub fn bytes(&self) -> usize {
         self.events.iter().map(outbox::NewEvent::bytes).sum()
-    }
-}
-
-/// The span of one guest call (`export` is the WIT export it calls).
-fn call_span(plugin: &Plugin, export: &'static str, parent: &TraceContext) -> Option<otel::Span> {
-    if !otel::enabled() {
-        return None;
-    }
-    let mut span = otel::Span::export_only(
-        format!("call {} {export}", plugin.manifest.name),
-        Kind::Internal,
-        Some(parent),
-    )?;
-    span.set("obx.plugin", plugin.manifest.name.clone());
-    span.set("obx.plugin.version", plugin.manifest.version.clone());
-    Some(span)
-}
-
-fn end_call_span<T>(span: Option<otel::Span>, result: &Result<T, CallError>, events: usize) {
-    if let Some(mut span) = span {
-        span.set("obx.events_emitted", events as i64);
-        if let Err(e) = result {
-            span.fail(describe_call_error(e));
-        }
     }
 }
 
@@ -756,46 +557,6 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
         }
     }
 }
-
-/// Counts a handler call by outcome (`counter`, labelled `ok` or `failed`) and records how
-/// long it took (`histogram`), per plugin.
-fn count_outcome<T>(
-    plugin: &Plugin,
-    outcome: &Result<T, EventFailure>,
-    started: Instant,
-    (counter, histogram): (&'static str, &'static str),
-) {
-    let label = if outcome.is_ok() { "ok" } else { "failed" };
-    metrics::counter!(counter, "plugin" => plugin.manifest.name.clone(), "outcome" => label).increment(1);
-    metrics::histogram!(histogram, "plugin" => plugin.manifest.name.clone()).record(started.elapsed().as_secs_f64());
-}
-
-/// A call error in words, for the operator: the log, `last_error` and the dead-letter table.
-/// What the guest wrote is cut at [`MAX_GUEST_TEXT`] bytes.
-fn describe_call_error(e: &CallError) -> String {
-    match e {
-        CallError::Handler(HandlerError::Rejected(r)) => {
-            format!(
-                "rejected ({}): {}",
-                clipped(&r.code, MAX_GUEST_TEXT),
-                clipped(&r.message, MAX_GUEST_TEXT)
-            )
-        }
-        CallError::Handler(HandlerError::InvalidInput(m)) => format!("invalid input: {}", clipped(m, MAX_GUEST_TEXT)),
-        CallError::Handler(HandlerError::Failed(m)) => format!("failed: {}", clipped(m, MAX_GUEST_TEXT)),
-        // Postgres quotes values in its messages, and a trap's backtrace names the guest's
-        // functions: the plugin's words too.
-        CallError::Aborted(m) => format!("transaction aborted: {}", clipped(m, MAX_GUEST_TEXT)),
-        CallError::Trapped(Trap::Deadline) => "ran past its deadline".into(),
-        CallError::Trapped(Trap::Memory(m)) => format!("memory limit: {}", clipped(m, MAX_GUEST_TEXT)),
-        CallError::Trapped(Trap::Fault(m)) => format!("trapped: {}", clipped(m, MAX_GUEST_TEXT)),
-        CallError::Busy => "no free call slot, or no room in the instance pool".into(),
-    }
-}
-
-/// The most of a guest's error text the host keeps: a plugin chooses its length, and each
-/// failed attempt of an event logs it and may store it.
-const MAX_GUEST_TEXT: usize = 4096;
 
 fn check_response(response: &str, max_bytes: usize) -> Result<(), String> {
     if response.len() > max_bytes {
