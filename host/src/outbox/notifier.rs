@@ -7,7 +7,8 @@
 //! its poll. Commits that come within [`COALESCE`] of each other are told as one, and the
 //! task wakes at most that often, whatever the commit rate. Nothing is sent while this host's
 //! relay holds every shard, nor while no relay runs on the database at all (counted every
-//! [`RECOUNT`]): a host serving commands with no relay anywhere pays no `NOTIFY` for them.
+//! [`RECOUNT`]): a host serving commands with no relay anywhere pays no `NOTIFY` for them, and
+//! then the task wakes at most once per [`IDLE_LOOK`], not after every commit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -20,6 +21,10 @@ use crate::db::locks::LockSpace;
 
 /// At most one wake-up of this task, and one `NOTIFY`, per this long.
 const COALESCE: Duration = Duration::from_millis(2);
+/// After a batch of commits with nobody to wake, how long the task does not listen for
+/// commits: a relay that starts, or this host's relay losing a shard, is woken at most this
+/// much later (the count itself is at most [`RECOUNT`] old).
+const IDLE_LOOK: Duration = Duration::from_millis(100);
 /// How often the relays on the database are counted again, and how often a lost session is
 /// opened again. A relay that starts (or comes back) meanwhile misses the wake-ups of at most
 /// this long and finds those rows at its poll.
@@ -37,42 +42,70 @@ struct Session {
 }
 
 /// Runs until `shutdown`: after each batch of this host's commits (`signal`), wakes the other
-/// relays unless `local_relay_owns_all`.
+/// relays. When there was nobody to wake (`local_relay_owns_all`, or no relay counted on the
+/// database), it does not listen for commits again for [`IDLE_LOOK`]: commits then cost at
+/// most ten wake-ups of this task a second, not one each.
 pub async fn run(
     database_url: String,
     mut signal: watch::Receiver<u64>,
     mut shutdown: watch::Receiver<bool>,
     local_relay_owns_all: Arc<AtomicBool>,
 ) {
-    let mut session: Option<Session> = None;
-    let mut opened: Option<Instant> = None;
+    let mut notifier = Notifier {
+        database_url,
+        session: None,
+        opened: None,
+    };
     loop {
         tokio::select! {
             changed = signal.changed() => if changed.is_err() { break },
             _ = shutdown.changed() => break,
         }
-        if !local_relay_owns_all.load(Ordering::Relaxed) {
+        let told = match local_relay_owns_all.load(Ordering::Relaxed) {
+            true => false,
             // The database may hang; shutting down must not wait for it.
-            tokio::select! {
-                _ = notify(&database_url, &mut session, &mut opened) => {}
+            false => tokio::select! {
+                told = notifier.notify() => told,
                 _ = shutdown.changed() => break,
-            }
+            },
+        };
+        // Commits made meanwhile stay pending, and are told as one when it listens again.
+        tokio::select! {
+            _ = tokio::time::sleep(if told { COALESCE } else { IDLE_LOOK }) => {}
+            _ = shutdown.changed() => break,
         }
-        tokio::time::sleep(COALESCE).await;
     }
 }
 
-/// One wake-up of the other relays, on `session` (opened at most once per [`RECOUNT`]).
-async fn notify(database_url: &str, session: &mut Option<Session>, opened: &mut Option<Instant>) {
-    if session.is_none() && opened.is_none_or(|t| t.elapsed() >= RECOUNT) {
-        *opened = Some(Instant::now());
-        *session = Session::open(database_url).await;
-    }
-    if let Some(s) = session.as_mut() {
-        if let Err(e) = s.wake_relays().await {
-            tracing::warn!(error = %e, "could not wake the other hosts' relays; they wait for their poll");
-            *session = None;
+/// The task's session, opened when first needed and again at most once per [`RECOUNT`].
+struct Notifier {
+    database_url: String,
+    session: Option<Session>,
+    opened: Option<Instant>,
+}
+
+impl Notifier {
+    /// One wake-up of the other relays; whether a `NOTIFY` went out.
+    async fn notify(&mut self) -> bool {
+        let Some(s) = self.session().await else {
+            return false;
+        };
+        match s.wake_relays().await {
+            Ok(told) => told,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not wake the other hosts' relays; they wait for their poll");
+                self.session = None;
+                false
+            }
         }
+    }
+
+    async fn session(&mut self) -> Option<&mut Session> {
+        if self.session.is_none() && self.opened.is_none_or(|t| t.elapsed() >= RECOUNT) {
+            self.opened = Some(Instant::now());
+            self.session = Session::open(&self.database_url).await;
+        }
+        self.session.as_mut()
     }
 }
 
@@ -94,19 +127,25 @@ impl Session {
         })
     }
 
-    /// One `NOTIFY` on the relays' channel, unless no relay runs.
-    async fn wake_relays(&mut self) -> sqlx::Result<()> {
+    /// The relays on the database, counted again if the last count is [`RECOUNT`] old.
+    async fn count_relays(&mut self) -> Option<i64> {
         if self.counted.elapsed() >= RECOUNT {
             self.relays = relays(&mut self.conn, self.locks).await;
             self.counted = Instant::now();
         }
-        if self.relays != Some(0) {
-            sqlx::query("SELECT pg_notify($1, '')")
-                .bind(&self.channel)
-                .execute(&mut self.conn)
-                .await?;
+        self.relays
+    }
+
+    /// One `NOTIFY` on the relays' channel, unless no relay runs; whether it went out.
+    async fn wake_relays(&mut self) -> sqlx::Result<bool> {
+        if self.count_relays().await == Some(0) {
+            return Ok(false);
         }
-        Ok(())
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(&self.channel)
+            .execute(&mut self.conn)
+            .await?;
+        Ok(true)
     }
 }
 
