@@ -244,7 +244,8 @@ async fn metrics_move_as_events_flow() {
             Box::new(|m: &str| sample(m, "obx_plugin_loads_total", "plugin=\"orders\"").is_some()),
         ),
         (
-            // Counted through the plugin's own handles: all five, under their command.
+            // Counted through the plugin's own handles: at least these five, under their
+            // command (another test of this binary may add its own).
             "commands that succeeded",
             Box::new(moved_by(
                 5.0,

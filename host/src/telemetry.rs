@@ -49,17 +49,30 @@ enum LogFilter {
     Env(EnvFilter),
 }
 
-/// The filter for `RUST_LOG` (unset: `info`). A value of targets and levels only
-/// (`info`, `obx=debug,sqlx=warn`) filters exactly as `EnvFilter` would, without its cost;
-/// anything else (a span or field directive, an empty or unreadable value) goes to
-/// `EnvFilter` as before.
+/// The filter for `RUST_LOG` (unset: `info`). A value made only of plain directives
+/// (`info`, `obx=debug,sqlx=warn`) that `EnvFilter` also reads filters as `EnvFilter` would,
+/// without its cost; anything else (a span or field directive, an empty or unreadable value,
+/// an empty part, a space, a target `EnvFilter` would refuse) goes to `EnvFilter` as before.
 fn log_filter(rust_log: Option<String>) -> LogFilter {
     let spec = rust_log.unwrap_or_else(|| "info".into());
-    let plain = !spec.trim().is_empty() && !spec.contains(['[', '{', '"', '/']);
-    match spec.parse::<Targets>() {
-        Ok(targets) if plain => LogFilter::Targets(targets),
-        _ => LogFilter::Env(EnvFilter::try_new(&spec).unwrap_or_else(|_| EnvFilter::new("info"))),
+    let env = EnvFilter::try_new(&spec);
+    match (spec.split(',').all(plain_directive), spec.parse::<Targets>(), env) {
+        (true, Ok(targets), Ok(_)) => LogFilter::Targets(targets),
+        (_, _, Ok(env)) => LogFilter::Env(env),
+        (_, _, Err(_)) => LogFilter::Env(EnvFilter::new("info")),
     }
+}
+
+/// Whether `directive` is `level`, `target` or `target=level`, which `Targets` and
+/// `EnvFilter` read alike: a target of letters, digits, `_`, `-` and `::`, a level that is
+/// not empty, no spaces.
+fn plain_directive(directive: &str) -> bool {
+    let (target, level) = match directive.split_once('=') {
+        Some((target, level)) => (target, Some(level)),
+        None => (directive, None),
+    };
+    let word = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-:".contains(c));
+    word(target) && level.is_none_or(|l| word(l) && !l.contains(':'))
 }
 
 /// Bucket bounds, in seconds, of every duration histogram (`*_seconds`): fine in the
@@ -179,7 +192,24 @@ mod tests {
         assert!(!mixed.would_enable("sqlx::query", &Level::WARN));
         let off = targets(Some("OFF"));
         assert!(!off.would_enable("obx", &Level::ERROR));
-        for v in ["obx[command{plugin=orders}]=debug", "obx[command]=debug", "", "  "] {
+        let plain = targets(Some("obx::dispatch=info,INFO,sqlx=5"));
+        assert!(plain.would_enable("sqlx::query", &Level::TRACE));
+        assert!(plain.would_enable("obx::relay", &Level::INFO));
+        // Values the two parsers read differently, or that EnvFilter refuses, keep EnvFilter:
+        // an empty part or level, a space after a comma, a target that starts oddly.
+        for v in [
+            "obx[command{plugin=orders}]=debug",
+            "obx[command]=debug",
+            "",
+            "  ",
+            "info,",
+            "obx=debug,,sqlx=warn",
+            "obx=",
+            "obx=debug, sqlx=warn",
+            "=debug",
+            "*=warn",
+            "obx=debug=x",
+        ] {
             assert!(
                 matches!(log_filter(Some(v.into())), LogFilter::Env(_)),
                 "{v:?} needs EnvFilter"

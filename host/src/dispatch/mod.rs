@@ -357,7 +357,7 @@ impl Emitted {
 
 impl Dispatcher {
     /// Runs `handle-event` in `tx` and hands back what it emitted, unwritten: the caller
-    /// writes it with [`Emitted::write`] before the commit. On failure the transaction
+    /// writes it with [`Dispatcher::commit_events`], in the commit's round trip. On failure the transaction
     /// comes back in the [`EventFailure`], for the caller to roll back.
     pub async fn call_event(
         &self,

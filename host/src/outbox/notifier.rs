@@ -22,12 +22,11 @@ use crate::db::locks::LockSpace;
 /// At most one wake-up of this task, and one `NOTIFY`, per this long.
 const COALESCE: Duration = Duration::from_millis(2);
 /// After a batch of commits with nobody to wake, how long the task does not listen for
-/// commits: a relay that starts, or this host's relay losing a shard, is woken at most this
-/// much later (the count itself is at most [`RECOUNT`] old).
+/// commits: this host's relay losing a shard is followed by wake-ups at most this much later.
 const IDLE_LOOK: Duration = Duration::from_millis(100);
-/// How often the relays on the database are counted again, and how often a lost session is
-/// opened again. A relay that starts (or comes back) meanwhile misses the wake-ups of at most
-/// this long and finds those rows at its poll.
+/// How often the relays on the database are counted again (at a wake-up), and how often a
+/// lost session is opened again. A relay that starts (or comes back) meanwhile misses the
+/// wake-ups of at most this long and [`IDLE_LOOK`], and finds those rows at its poll.
 const RECOUNT: Duration = Duration::from_secs(1);
 
 /// The notifier's session, and what it last learnt.
@@ -42,9 +41,9 @@ struct Session {
 }
 
 /// Runs until `shutdown`: after each batch of this host's commits (`signal`), wakes the other
-/// relays. When there was nobody to wake (`local_relay_owns_all`, or no relay counted on the
-/// database), it does not listen for commits again for [`IDLE_LOOK`]: commits then cost at
-/// most ten wake-ups of this task a second, not one each.
+/// relays. When it sent nothing (nobody to wake: `local_relay_owns_all`, or no relay counted
+/// on the database; or no session), it does not listen for commits again for [`IDLE_LOOK`]:
+/// commits then cost at most ten wake-ups of this task a second, not one each.
 pub async fn run(
     database_url: String,
     mut signal: watch::Receiver<u64>,
@@ -210,7 +209,8 @@ mod tests {
     }
 
     /// Commits wake other hosts' relays only while some relay runs and this host's own does
-    /// not hold every shard; a host with no relay anywhere sends nothing.
+    /// not hold every shard; a host with no relay anywhere sends nothing. When this host's
+    /// relay loses a shard the wake-ups resume after the idle pause, before the next count.
     #[tokio::test]
     async fn relays_are_woken_only_when_one_runs_and_the_local_one_does_not_hold_every_shard() {
         let pg = EmbeddedPostgres::start(&[]).unwrap();
@@ -261,6 +261,16 @@ mod tests {
             !woken_after_commits(&signal, &mut listener, SETTLE).await,
             "this host's relay holds every shard"
         );
+
+        // It loses a shard: the wake-ups resume after the idle pause, not at the next count.
+        owns_all.store(false, Ordering::Relaxed);
+        let lost = Instant::now();
+        assert!(
+            woken_after_commits(&signal, &mut listener, Duration::from_secs(5)).await,
+            "this host's relay no longer holds every shard"
+        );
+        let resumed = lost.elapsed();
+        assert!(resumed < RECOUNT, "woken again after {resumed:?}");
 
         stop.send(true).unwrap();
         task.await.unwrap();
