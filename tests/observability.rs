@@ -169,6 +169,15 @@ async fn metrics_move_as_events_flow() {
         assert_eq!(a.status, 200);
     }
     assert_eq!(host.command("testbed", "trap", json!({ "id": "t" })).await.status, 500);
+    // A repeated Idempotency-Key: the second answer is a replay, counted as one.
+    let key = uuid::Uuid::new_v4().to_string();
+    let order = json!({ "customerId": "keyed", "amount": 1 });
+    for _ in 0..2 {
+        let a = host
+            .command_with_key("orders", "CreateOrder", order.clone(), &key)
+            .await;
+        assert_eq!(a.status, 200, "{}", a.text);
+    }
     let id = uuid::Uuid::new_v4();
     for _ in 0..2 {
         send_event_with_id(&p, &host.topic("testbed.events"), "k", "Thing", &json!({}), id).await;
@@ -256,6 +265,13 @@ async fn metrics_move_as_events_flow() {
         (
             "command latency",
             Box::new(moved_by(5.0, "obx_command_duration_seconds_count", "plugin=\"orders\"")),
+        ),
+        (
+            "commands replayed",
+            Box::new(moved(
+                "obx_commands_total",
+                "plugin=\"orders\",command=\"CreateOrder\",outcome=\"replayed\"",
+            )),
         ),
         (
             "commands that failed",

@@ -117,7 +117,12 @@ const STAGES: &[Stage] = &[
         &["Sessions::begin", "Sessions::try_begin"],
     ),
     stage("host: Idempotency-Key claim", false, &["obx::idempotency::"]),
-    stage("host: instantiation", false, &["instantiate_async"]),
+    // `instantiate_async` is inlined in some builds; `_instantiate` is its body.
+    stage(
+        "host: instantiation",
+        false,
+        &["instantiate_async", "InstancePre<T>::_instantiate"],
+    ),
     stage("host: SQL policy", false, &["check_statement", "sql_policy"]),
     stage(
         "host: `sql` host calls (binding, the statement)",
