@@ -43,9 +43,10 @@ enum LogFilter {
     /// Targets and levels only: decided once per call site, at no cost when a span is
     /// entered or left.
     Targets(Targets),
-    /// Directives on spans or fields, which `Targets` cannot express. `EnvFilter` takes a
-    /// shared lock on every entry into and exit from a span, also for the spans it does not
-    /// filter (a command's span is entered at each of its polls), so it is used only for them.
+    /// Anything else: directives on spans or fields, which `Targets` cannot express, and
+    /// values the two read differently. `EnvFilter` takes a shared lock on every entry into
+    /// and exit from a span, also for the spans it does not filter (a command's span is
+    /// entered at each of its polls), so it is used only for them.
     Env(EnvFilter),
 }
 
