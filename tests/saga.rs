@@ -130,6 +130,58 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
     host.shutdown().await;
 }
 
+/// The deadline holds however late its timer fires (the hosts were down, the timers had a
+/// backlog): a confirmation after it is refused, and leaves the payment to the timer, which
+/// times it out when it fires and compensates the order.
+#[tokio::test]
+async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fires() {
+    let host = chain(500).await;
+    let id = order(&host, 2).await;
+    eventually(Duration::from_secs(30), "the payment requested", || async {
+        payment(&host, &id).await == "requested"
+    })
+    .await;
+    // The timer is held back an hour, as if no host had fired it.
+    let held = sqlx::query("UPDATE obx.timer SET due_at = now() + interval '1 hour' WHERE key = $1")
+        .bind(&id)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(held.rows_affected(), 1);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let overdue = "SELECT count(*) FROM payments.payments WHERE deadline_at < clock_timestamp()";
+    assert_eq!(host.count(overdue).await, 1, "the deadline has passed");
+
+    let a = host
+        .command("payments", "ConfirmPayment", json!({ "orderId": id }))
+        .await;
+    assert_eq!(
+        (a.status, &a.body["error"]["reason"]),
+        (409, &json!("payment-timed-out")),
+        "{}",
+        a.text
+    );
+    // Nothing changed: the payment waits for its timer, which is still there.
+    assert_eq!(payment(&host, &id).await, "requested");
+    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 1);
+    assert_eq!(reserved(&host).await, 2);
+
+    sqlx::query("UPDATE obx.timer SET due_at = now() WHERE key = $1")
+        .bind(&id)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the order compensated", || async {
+        order_status(&host, &id).await == "cancelled" && reserved(&host).await == 0
+    })
+    .await;
+    assert_eq!(payment(&host, &id).await, "timed_out");
+    let events = payment_events(&host, 2).await;
+    assert_eq!(events[&id], ["PaymentRequested", "PaymentTimedOut"], "{events:?}");
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
+    host.shutdown().await;
+}
+
 /// Confirmations sent right at the deadline race its firing. Each order still ends one way
 /// only: its confirmation's answer, the payment, the events, the order and the stock agree,
 /// and no call deadlocks or fails.

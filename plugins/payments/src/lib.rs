@@ -6,7 +6,9 @@
 //! * ProductReserved (inventory.events) → a `payments` row, PaymentRequested
 //!   (payment.events), and a durable timer `payment-deadline` for the order, all in one
 //!   transaction.
-//! * `ConfirmPayment` cancels the deadline and emits PaymentConfirmed.
+//! * `ConfirmPayment`, before the deadline, cancels it and emits PaymentConfirmed. After the
+//!   deadline it is refused, even if the timer has not fired yet (it fires late when the
+//!   hosts were down or the timers have a backlog): the payment row records its deadline.
 //! * If the deadline fires first, the payment times out and PaymentTimedOut is emitted:
 //!   inventory releases the order's stock and orders cancels the order (the compensation).
 //!
@@ -93,6 +95,11 @@ impl Guest for Payments {
                     name: "payment deadline".into(),
                     sql: include_str!("../migrations/0002_payment_deadline.sql").into(),
                 },
+                Migration {
+                    id: 3,
+                    name: "deadline on the payment".into(),
+                    sql: include_str!("../migrations/0003_deadline_at.sql").into(),
+                },
             ],
         }
     }
@@ -118,7 +125,10 @@ impl Guest for Payments {
         let reserved: ProductReserved =
             serde_json::from_str(&event.payload).map_err(|e| invalid(format!("ProductReserved: {e}")))?;
         let rows = query(
-            "INSERT INTO payments (order_id, customer_id, amount) VALUES ($1, $2, $3) \
+            // The deadline from the transaction's start: no later than the timer's, which is
+            // counted from its scheduling below.
+            "INSERT INTO payments (order_id, customer_id, amount, deadline_at) \
+             SELECT $1, $2, $3, now() + s.payment_deadline_ms * interval '1 millisecond' FROM settings s \
              ON CONFLICT (order_id) DO NOTHING RETURNING (SELECT payment_deadline_ms FROM settings) AS deadline_ms",
             &[
                 SqlValue::Text(reserved.order_id.clone()),
@@ -174,13 +184,17 @@ fn get_payment(id: &str) -> Result<String, HandlerError> {
 }
 
 /// Confirms a requested payment before its deadline. Confirming again answers the same; a
-/// payment that timed out, or that was never requested, cannot be confirmed.
+/// payment that timed out, or that was never requested, cannot be confirmed, nor can one
+/// whose deadline passed: the refusal undoes the timer's cancellation, and the timer, late
+/// as it may be, times the payment out.
 fn confirm_payment(id: &str) -> Result<String, HandlerError> {
     // The timer row first (see the module's note on lock order).
     obx_sdk::cancel_timer(DEADLINE, id)?;
     let rows = query(
         "UPDATE payments SET status = 'confirmed', settled_at = now() \
-         WHERE order_id = $1 AND status = 'requested' RETURNING amount",
+         WHERE order_id = $1 AND status = 'requested' \
+           AND (deadline_at IS NULL OR clock_timestamp() < deadline_at) \
+         RETURNING amount",
         &[SqlValue::Text(id.into())],
     )?;
     if let Some(amount) = rows.value(0, "amount").and_then(SqlValue::as_str) {
@@ -200,6 +214,10 @@ fn confirm_payment(id: &str) -> Result<String, HandlerError> {
         Some("timed_out") => Err(reject(
             "payment-timed-out",
             "the payment deadline passed; the order was cancelled",
+        )),
+        Some("requested") => Err(reject(
+            "payment-timed-out",
+            "the payment deadline passed; the order is being cancelled",
         )),
         _ => Err(reject("no-payment", "no payment was requested for this order")),
     }
