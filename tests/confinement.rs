@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use obx::runtime::manifest::{EventDeclaration, Manifest, Migration};
+use obx::runtime::plugin_schema::Release;
 use obx_tests::*;
 use serde_json::json;
 use sqlx::{Connection, PgConnection, Row};
@@ -1381,6 +1382,41 @@ async fn a_plugin_may_not_declare_another_plugins_events() {
         host.count("SELECT count(*) FROM obx.plugin_emit WHERE plugin = 'forger'")
             .await,
         0
+    );
+
+    // Only the operator moves an event to another plugin (`obx plugin release-event`), and
+    // only from the plugin that holds it.
+    let release = |plugin: &'static str, event_type: &'static str| {
+        obx::runtime::plugin_schema::release_event(&host.db, plugin, "order.events", event_type)
+    };
+    assert_eq!(
+        release("testbed", "OrderCreated").await.unwrap(),
+        Release::HeldBy("orders".into())
+    );
+    assert_eq!(release("orders", "OrderShipped").await.unwrap(), Release::Undeclared);
+    assert_eq!(release("orders", "OrderCreated").await.unwrap(), Release::Released);
+    // The database follows at once: the orders plugin's emits of it are refused, and nothing
+    // of the command stays.
+    let orders = "SELECT count(*) FROM orders.orders";
+    let before = host.count(orders).await;
+    let a = host
+        .command("orders", "CreateOrder", json!({ "customerId": "c-1", "amount": 10 }))
+        .await;
+    assert_eq!(
+        (a.status, &a.body["error"]["code"]),
+        (500, &json!("transaction_aborted")),
+        "{}",
+        a.text
+    );
+    assert_eq!(host.count(orders).await, before);
+    // And the other plugin may declare it now.
+    obx::runtime::plugin_schema::prepare(&host.db, &host.host.sessions, &m, &limits)
+        .await
+        .unwrap();
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_emit WHERE plugin = 'forger' AND event_type = 'OrderCreated'")
+            .await,
+        1
     );
     host.shutdown().await;
 }

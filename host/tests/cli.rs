@@ -311,3 +311,16 @@ fn plugin_test_fails_a_handler_that_refuses_a_valid_event_and_says_what_that_wou
         "{stdout}"
     );
 }
+
+/// `obx plugin release-event` works on the database: with none configured, it says so and
+/// changes nothing (`tests/confinement.rs` releases a declaration on a real one).
+#[test]
+fn plugin_release_event_without_a_database_says_it_needs_one() {
+    let out = obx()
+        .args(["plugin", "release-event", "orders", "order.events", "OrderCreated"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("needs the database: set DATABASE_URL"), "{stderr}");
+}

@@ -13,7 +13,7 @@ mod admin;
 mod plugin;
 
 use admin::{catalog, dlq, outbox_replay, status, timers};
-use plugin::{plugin_check, plugin_new, plugin_test, wit};
+use plugin::{plugin_check, plugin_new, plugin_release_event, plugin_test, wit};
 
 #[derive(Parser)]
 #[command(
@@ -223,6 +223,16 @@ enum PluginCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Frees an event type a plugin declared, so that another plugin may declare it (an
+    /// event type on a topic is one plugin's, for every version of it ever loaded). On the
+    /// database (DATABASE_URL). First run no version of the plugin that emits it: from then
+    /// on its emits of it are refused, and a host that loads a version still declaring it
+    /// takes it back while it is free.
+    ReleaseEvent {
+        plugin: String,
+        topic: String,
+        event_type: String,
+    },
 }
 
 pub fn main() -> ExitCode {
@@ -302,6 +312,14 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Plugin {
             command: PluginCommand::New { name, lang, dir },
         } => plugin_new(&name, lang, dir),
+        Command::Plugin {
+            command:
+                PluginCommand::ReleaseEvent {
+                    plugin,
+                    topic,
+                    event_type,
+                },
+        } => plugin_release_event(cli.config, &plugin, &topic, &event_type).await,
         Command::Wit { out } => wit(out),
         Command::Outbox {
             host,

@@ -1,4 +1,5 @@
-//! The plugin author's commands: `obx plugin new`, `check` and `test`, and `obx wit`.
+//! The plugin author's commands: `obx plugin new`, `check` and `test`, and `obx wit`; and the
+//! operator's `obx plugin release-event`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -112,6 +113,39 @@ pub(super) async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: b
         }
         Err(e) => {
             eprintln!("{}: {e}", file.display());
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+pub(super) async fn plugin_release_event(
+    config: Option<PathBuf>,
+    plugin: &str,
+    topic: &str,
+    event_type: &str,
+) -> Result<ExitCode> {
+    use crate::runtime::plugin_schema::{release_event, Release};
+    let config = Config::load(config.as_deref())?;
+    let url = config
+        .database
+        .url
+        .as_ref()
+        .context("`obx plugin release-event` needs the database: set DATABASE_URL or database.url")?;
+    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let release = release_event(&pool, plugin, topic, event_type)
+        .await
+        .context("releasing the declaration (is this an OBX database? `obx migrate` makes its schema)")?;
+    match release {
+        Release::Released => {
+            println!("released {event_type} on topic {topic} from plugin {plugin}: another plugin may declare it now");
+            Ok(ExitCode::SUCCESS)
+        }
+        Release::HeldBy(holder) => {
+            eprintln!("error: {event_type} on topic {topic} is declared by plugin {holder:?}, not {plugin:?}");
+            Ok(ExitCode::FAILURE)
+        }
+        Release::Undeclared => {
+            eprintln!("error: no plugin declares {event_type} on topic {topic}");
             Ok(ExitCode::FAILURE)
         }
     }

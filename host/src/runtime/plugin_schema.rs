@@ -14,6 +14,8 @@
 //!   across hosts by a lock on the plugin's registry row.
 //! * An applied migration never changes: its SHA-256 is recorded, and a manifest whose
 //!   migration text differs, or that drops an applied migration, is refused.
+//! * An event type on a topic is declared by one plugin at most, for every version of it
+//!   ever loaded; only the operator releases it ([`release_event`]), to move it to another.
 
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
@@ -191,6 +193,45 @@ async fn provision(pool: &PgPool, manifest: &Manifest, limits: &Limits, connecti
         // backend is ended.
         commit_within: limits.statement_timeout * 4 + std::time::Duration::from_secs(2),
     })
+}
+
+/// What [`release_event`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Release {
+    /// The declaration was the plugin's, and is gone.
+    Released,
+    /// Another plugin declared it, and still does.
+    HeldBy(String),
+    /// No plugin declared it.
+    Undeclared,
+}
+
+/// Takes `event_type` on `topic` out of `plugin`'s declarations, so that another plugin may
+/// declare it: how an event moves from one plugin to another. From then on the database
+/// refuses the plugin's own emits of it, until a host loads a version of the plugin that
+/// still declares it and claims it again, if it is still free. Serialised with the loads'
+/// claims, as they are across hosts.
+pub async fn release_event(pool: &PgPool, plugin: &str, topic: &str, event_type: &str) -> Result<Release> {
+    let mut tx = pool.begin().await?;
+    (&mut *tx).execute("SELECT 1 FROM obx.installation FOR UPDATE").await?;
+    let released = sqlx::query("DELETE FROM obx.plugin_emit WHERE plugin = $1 AND topic = $2 AND event_type = $3")
+        .bind(plugin)
+        .bind(topic)
+        .bind(event_type)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    if released == 1 {
+        tx.commit().await?;
+        return Ok(Release::Released);
+    }
+    let holder: Option<String> =
+        sqlx::query_scalar("SELECT plugin FROM obx.plugin_emit WHERE topic = $1 AND event_type = $2")
+            .bind(topic)
+            .bind(event_type)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(holder.map_or(Release::Undeclared, Release::HeldBy))
 }
 
 /// A new plugin may not take the name of a role (`"$user"` in that role's search path would
