@@ -112,7 +112,10 @@ pub struct ReadError {
 
 /// Reads a component file, but never more than `limit` bytes of it: a larger file (an
 /// artefact dropped in the directory by mistake, a sparse file of many GiB) is refused as
-/// too large without being read whole, which could take the host's memory.
+/// too large without being read whole, which could take the host's memory. What is not a
+/// regular file is refused at once: a FIFO put in the file's place (the watcher checks the
+/// kind of a file before it reads it, but the name can change in between) held the read,
+/// and every load behind it, until something wrote to it.
 pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, ReadError> {
     use tokio::io::AsyncReadExt;
     // The file system failed (out of descriptors, an I/O error): it may not the next time.
@@ -125,8 +128,21 @@ pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8
         message: LoadError::TooLarge { size, limit }.to_string(),
         may_pass: false,
     };
-    let file = tokio::fs::File::open(path).await.map_err(reading)?;
-    let size = file.metadata().await.map_err(reading)?.len();
+    // Not blocking: opening a FIFO for reading waits for a writer. Regular files ignore it.
+    let file = tokio::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .await
+        .map_err(reading)?;
+    let meta = file.metadata().await.map_err(reading)?;
+    if !meta.is_file() {
+        return Err(ReadError {
+            message: format!("{} is not a regular file", path.display()),
+            may_pass: false,
+        });
+    }
+    let size = meta.len();
     if size > limit {
         return Err(too_large(size));
     }
@@ -261,6 +277,22 @@ fn check_header(bytes: &[u8]) -> Result<(), LoadError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A FIFO in a component file's place is refused at once, not read until a writer comes.
+    #[tokio::test]
+    async fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plugin.wasm");
+        let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), read_component(&path, 1 << 20))
+            .await
+            .expect("the read of a FIFO returned");
+        let e = read.expect_err("a FIFO is refused");
+        assert!(e.message.contains("is not a regular file"), "{}", e.message);
+        assert!(!e.may_pass);
+    }
 
     #[test]
     fn header_tells_modules_from_components() {
