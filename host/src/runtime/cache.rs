@@ -3,10 +3,13 @@
 //! an unchanged file skips compilation.
 //!
 //! Invariant: only files this host wrote are deserialised. Precompiled code is trusted native
-//! code, so the cache lives in its own directory (mode 0700), never in the watched plugin
-//! directory, and entries are written to a temporary name of their own (hosts that share
-//! the directory may have the same pid, in containers) and renamed into place. A temporary
-//! file older than [`STALE_TEMP`] is a dead writer's, and goes at the next store.
+//! code, so the cache lives in its own directory (mode 0700, owned by the host's user), never
+//! in the watched plugin directory, and entries are written to a temporary name of their own
+//! (hosts that share the directory may have the same pid, in containers) and renamed into
+//! place. An entry is read only if it is a regular file of the host's user that no one else
+//! may write: a host run as root would otherwise run what another user left in a directory
+//! it had made theirs. A temporary file older than [`STALE_TEMP`] is a dead writer's, and
+//! goes at the next store.
 //!
 //! The cache is bounded (`plugins.cache_max_bytes`): an entry's modification time is its last
 //! use, and after each store the least recently used entries go until the rest fit. (A
@@ -15,7 +18,7 @@
 
 use std::hash::{Hash, Hasher};
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt};
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -55,6 +58,17 @@ impl CompileCache {
         std::fs::create_dir_all(dir).with_context(|| format!("creating the compile cache {}", dir.display()))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("restricting the compile cache {}", dir.display()))?;
+        // Root may change any directory's mode: the owner must be checked too.
+        let owner = std::fs::metadata(dir)
+            .with_context(|| format!("reading the compile cache {}", dir.display()))?
+            .uid();
+        let user = effective_uid();
+        if owner != user {
+            anyhow::bail!(
+                "the compile cache {} belongs to uid {owner}, not to this process's uid {user}",
+                dir.display()
+            );
+        }
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);
         Ok(CompileCache {
@@ -71,7 +85,12 @@ impl CompileCache {
     /// The cached compilation of the component with this hash, if there is a good one.
     pub fn load(&self, engine: &Engine, sha256: &str) -> Option<Component> {
         let path = self.path(sha256);
-        if !path.exists() {
+        let meta = std::fs::symlink_metadata(&path).ok()?;
+        if !meta.is_file() || meta.uid() != effective_uid() || meta.mode() & 0o022 != 0 {
+            tracing::warn!(
+                path = %path.display(), uid = meta.uid(), mode = format!("{:o}", meta.mode()),
+                "ignoring a compile cache entry that is not a file this host's user alone may write"
+            );
             return None;
         }
         // SAFETY: the file is in the host's own cache directory and was written by `store`
@@ -153,9 +172,51 @@ impl CompileCache {
     }
 }
 
+/// The user this process acts as.
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Precompiled code runs as the host: an entry another user could have written is not
+    /// read, and (for a host run as root) neither is a directory another user owns.
+    #[test]
+    fn entries_and_directories_other_users_could_write_are_not_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = CacheSettings {
+            dir: dir.path().join("cache"),
+            max_bytes: 1 << 30,
+        };
+        let engine = Engine::default();
+        let cache = CompileCache::open(&settings, &engine).unwrap();
+        let component = Component::new(&engine, "(component)").unwrap();
+        let sha256 = "ab".repeat(32);
+        cache.store(&sha256, &component);
+        assert!(cache.load(&engine, &sha256).is_some());
+        let entry = cache.path(&sha256);
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o622)).unwrap();
+        assert!(
+            cache.load(&engine, &sha256).is_none(),
+            "a group- and world-writable entry"
+        );
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(cache.load(&engine, &sha256).is_some());
+
+        if effective_uid() == 0 {
+            let nobody = 65534;
+            std::os::unix::fs::chown(&entry, Some(nobody), None).unwrap();
+            assert!(cache.load(&engine, &sha256).is_none(), "another user's entry");
+            std::os::unix::fs::chown(&settings.dir, Some(nobody), None).unwrap();
+            let e = CompileCache::open(&settings, &engine)
+                .err()
+                .expect("another user's directory");
+            assert!(e.to_string().contains("belongs to uid 65534"), "{e:#}");
+        }
+    }
 
     /// Another host with the same pid (in another container) writing the same component
     /// held the temporary name this store used to take, and the store failed (or, with both
