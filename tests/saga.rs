@@ -132,28 +132,36 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
 
 /// The deadline holds however late its timer fires (the hosts were down, the timers had a
 /// backlog): a confirmation after it is refused, and leaves the payment to the timer, which
-/// times it out when it fires and compensates the order.
+/// times it out when it fires and compensates the order. A payment whose timer an operator
+/// cancelled has no deadline left, and can be confirmed.
 #[tokio::test]
 async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fires() {
-    let host = chain(500).await;
-    let id = order(&host, 2).await;
-    eventually(Duration::from_secs(30), "the payment requested", || async {
-        payment(&host, &id).await == "requested"
-    })
-    .await;
-    // The timer is held back an hour, as if no host had fired it.
-    let held = sqlx::query("UPDATE obx.timer SET due_at = now() + interval '1 hour' WHERE key = $1")
-        .bind(&id)
+    let host = chain(600_000).await;
+    let late = order(&host, 2).await;
+    let kept = order(&host, 3).await;
+    for id in [&late, &kept] {
+        eventually(Duration::from_secs(30), "the payment requested", || async {
+            payment(&host, id).await == "requested"
+        })
+        .await;
+    }
+    // Both deadlines pass, and no host has fired their timers yet.
+    let passed = sqlx::query("UPDATE payments.payments SET deadline_at = clock_timestamp() - interval '1 second'")
         .execute(&host.db)
         .await
         .unwrap();
-    assert_eq!(held.rows_affected(), 1);
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let overdue = "SELECT count(*) FROM payments.payments WHERE deadline_at < clock_timestamp()";
-    assert_eq!(host.count(overdue).await, 1, "the deadline has passed");
+    assert_eq!(passed.rows_affected(), 2);
+    // An operator cancels one of the two timers.
+    let a = host
+        .post_json(
+            "/v1/timers/cancel",
+            json!({ "plugin": "payments", "name": "payment-deadline", "key": kept }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
 
     let a = host
-        .command("payments", "ConfirmPayment", json!({ "orderId": id }))
+        .command("payments", "ConfirmPayment", json!({ "orderId": late }))
         .await;
     assert_eq!(
         (a.status, &a.body["error"]["reason"]),
@@ -162,22 +170,31 @@ async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fire
         a.text
     );
     // Nothing changed: the payment waits for its timer, which is still there.
-    assert_eq!(payment(&host, &id).await, "requested");
-    assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 1);
-    assert_eq!(reserved(&host).await, 2);
+    assert_eq!(payment(&host, &late).await, "requested");
+    let timer = format!("SELECT count(*) FROM obx.timer WHERE key = '{late}'");
+    assert_eq!(host.count(&timer).await, 1);
+    // The payment with no timer left is confirmed.
+    let a = host
+        .command("payments", "ConfirmPayment", json!({ "orderId": kept }))
+        .await;
+    assert_eq!((a.status, &a.body["status"]), (200, &json!("confirmed")), "{}", a.text);
 
+    // The late timer fires.
     sqlx::query("UPDATE obx.timer SET due_at = now() WHERE key = $1")
-        .bind(&id)
+        .bind(&late)
         .execute(&host.db)
         .await
         .unwrap();
-    eventually(Duration::from_secs(30), "the order compensated", || async {
-        order_status(&host, &id).await == "cancelled" && reserved(&host).await == 0
+    eventually(Duration::from_secs(30), "both orders settled", || async {
+        order_status(&host, &late).await == "cancelled"
+            && order_status(&host, &kept).await == "paid"
+            && reserved(&host).await == 3
     })
     .await;
-    assert_eq!(payment(&host, &id).await, "timed_out");
-    let events = payment_events(&host, 2).await;
-    assert_eq!(events[&id], ["PaymentRequested", "PaymentTimedOut"], "{events:?}");
+    assert_eq!(payment(&host, &late).await, "timed_out");
+    let events = payment_events(&host, 4).await;
+    assert_eq!(events[&late], ["PaymentRequested", "PaymentTimedOut"], "{events:?}");
+    assert_eq!(events[&kept], ["PaymentRequested", "PaymentConfirmed"], "{events:?}");
     assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0);
     host.shutdown().await;
 }

@@ -7,8 +7,10 @@
 //!   (payment.events), and a durable timer `payment-deadline` for the order, all in one
 //!   transaction.
 //! * `ConfirmPayment`, before the deadline, cancels it and emits PaymentConfirmed. After the
-//!   deadline it is refused, even if the timer has not fired yet (it fires late when the
-//!   hosts were down or the timers have a backlog): the payment row records its deadline.
+//!   deadline it is refused while the deadline's timer is there to time the payment out, even
+//!   if it has not fired yet (it fires late when the hosts were down or the timers have a
+//!   backlog; a parked one fires when an operator retries it): the payment row records its
+//!   deadline. A payment whose timer an operator cancelled has no deadline left.
 //! * If the deadline fires first, the payment times out and PaymentTimedOut is emitted:
 //!   inventory releases the order's stock and orders cancels the order (the compensation).
 //!
@@ -125,10 +127,11 @@ impl Guest for Payments {
         let reserved: ProductReserved =
             serde_json::from_str(&event.payload).map_err(|e| invalid(format!("ProductReserved: {e}")))?;
         let rows = query(
-            // The deadline from the transaction's start: no later than the timer's, which is
-            // counted from its scheduling below.
+            // The deadline from now: no later than the timer's, which is counted from its
+            // scheduling below.
             "INSERT INTO payments (order_id, customer_id, amount, deadline_at) \
-             SELECT $1, $2, $3, now() + s.payment_deadline_ms * interval '1 millisecond' FROM settings s \
+             SELECT $1, $2, $3, clock_timestamp() + s.payment_deadline_ms * interval '1 millisecond' \
+             FROM settings s \
              ON CONFLICT (order_id) DO NOTHING RETURNING (SELECT payment_deadline_ms FROM settings) AS deadline_ms",
             &[
                 SqlValue::Text(reserved.order_id.clone()),
@@ -185,17 +188,17 @@ fn get_payment(id: &str) -> Result<String, HandlerError> {
 
 /// Confirms a requested payment before its deadline. Confirming again answers the same; a
 /// payment that timed out, or that was never requested, cannot be confirmed, nor can one
-/// whose deadline passed: the refusal undoes the timer's cancellation, and the timer, late
-/// as it may be, times the payment out.
+/// whose deadline passed while its timer is there: the refusal undoes the timer's
+/// cancellation, and the timer, late as it may be, times the payment out.
 fn confirm_payment(id: &str) -> Result<String, HandlerError> {
     // The timer row first (see the module's note on lock order).
-    obx_sdk::cancel_timer(DEADLINE, id)?;
+    let timed = obx_sdk::cancel_timer(DEADLINE, id)?;
     let rows = query(
         "UPDATE payments SET status = 'confirmed', settled_at = now() \
          WHERE order_id = $1 AND status = 'requested' \
-           AND (deadline_at IS NULL OR clock_timestamp() < deadline_at) \
+           AND (NOT $2 OR deadline_at IS NULL OR clock_timestamp() < deadline_at) \
          RETURNING amount",
-        &[SqlValue::Text(id.into())],
+        &[SqlValue::Text(id.into()), SqlValue::Boolean(timed)],
     )?;
     if let Some(amount) = rows.value(0, "amount").and_then(SqlValue::as_str) {
         emit(&payment_event(
@@ -217,7 +220,7 @@ fn confirm_payment(id: &str) -> Result<String, HandlerError> {
         )),
         Some("requested") => Err(reject(
             "payment-timed-out",
-            "the payment deadline passed; the order is being cancelled",
+            "the payment deadline passed; the order is cancelled when its deadline timer fires",
         )),
         _ => Err(reject("no-payment", "no payment was requested for this order")),
     }
