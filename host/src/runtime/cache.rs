@@ -56,9 +56,7 @@ impl CompileCache {
     pub fn open(settings: &CacheSettings, engine: &Engine) -> Result<CompileCache> {
         let dir = settings.dir.as_path();
         std::fs::create_dir_all(dir).with_context(|| format!("creating the compile cache {}", dir.display()))?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .with_context(|| format!("restricting the compile cache {}", dir.display()))?;
-        // Root may change any directory's mode: the owner must be checked too.
+        // Root may change any directory's mode: the owner is checked first.
         let owner = std::fs::metadata(dir)
             .with_context(|| format!("reading the compile cache {}", dir.display()))?
             .uid();
@@ -69,6 +67,8 @@ impl CompileCache {
                 dir.display()
             );
         }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("restricting the compile cache {}", dir.display()))?;
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);
         Ok(CompileCache {
@@ -85,7 +85,21 @@ impl CompileCache {
     /// The cached compilation of the component with this hash, if there is a good one.
     pub fn load(&self, engine: &Engine, sha256: &str) -> Option<Component> {
         let path = self.path(sha256);
-        let meta = std::fs::symlink_metadata(&path).ok()?;
+        let file = match std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "ignoring a compile cache entry that cannot be opened");
+                return None;
+            }
+        };
+        // What was opened is checked, and what is checked is what is read: the name could
+        // change in between.
+        let meta = file.metadata().ok()?;
         if !meta.is_file() || meta.uid() != effective_uid() || meta.mode() & 0o022 != 0 {
             tracing::warn!(
                 path = %path.display(), uid = meta.uid(), mode = format!("{:o}", meta.mode()),
@@ -95,13 +109,11 @@ impl CompileCache {
         }
         // SAFETY: the file is in the host's own cache directory and was written by `store`
         // from a component this host compiled; wasmtime also checks its compatibility.
-        match unsafe { Component::deserialize_file(engine, &path) } {
+        match unsafe { deserialize_open(engine, &file) } {
             Ok(component) => {
-                // Used now: the last to be evicted.
-                let _ = std::fs::File::options()
-                    .write(true)
-                    .open(&path)
-                    .and_then(|f| f.set_modified(SystemTime::now()));
+                // Used now: the last to be evicted (its owner may set the time through any
+                // descriptor).
+                let _ = file.set_modified(SystemTime::now());
                 Some(component)
             }
             Err(e) => {
@@ -172,6 +184,26 @@ impl CompileCache {
     }
 }
 
+/// Deserialises the open file `file` itself: through its `/proc/self/fd` name, which opens the
+/// same file whatever its path now names, or else from its bytes.
+///
+/// # Safety
+///
+/// As [`Component::deserialize_file`]: the file must hold a serialised component.
+unsafe fn deserialize_open(engine: &Engine, file: &std::fs::File) -> wasmtime::Result<Component> {
+    use std::io::Read as _;
+    use std::os::fd::AsRawFd as _;
+    let by_descriptor = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    if by_descriptor.exists() {
+        // SAFETY: the caller's.
+        return unsafe { Component::deserialize_file(engine, &by_descriptor) };
+    }
+    let mut bytes = Vec::new();
+    (&*file).read_to_end(&mut bytes)?;
+    // SAFETY: the caller's.
+    unsafe { Component::deserialize(engine, bytes) }
+}
+
 /// The user this process acts as.
 fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -182,8 +214,9 @@ fn effective_uid() -> u32 {
 mod tests {
     use super::*;
 
-    /// Precompiled code runs as the host: an entry another user could have written is not
-    /// read, and (for a host run as root) neither is a directory another user owns.
+    /// Precompiled code runs as the host: an entry another user could have written, or a link
+    /// in an entry's place, is not read, and (for a host run as root) neither is a directory
+    /// another user owns, whose mode stays as it was.
     #[test]
     fn entries_and_directories_other_users_could_write_are_not_used() {
         let dir = tempfile::tempdir().unwrap();
@@ -196,8 +229,12 @@ mod tests {
         let component = Component::new(&engine, "(component)").unwrap();
         let sha256 = "ab".repeat(32);
         cache.store(&sha256, &component);
-        assert!(cache.load(&engine, &sha256).is_some());
         let entry = cache.path(&sha256);
+        let long_ago = SystemTime::now() - Duration::from_secs(3600);
+        std::fs::File::open(&entry).unwrap().set_modified(long_ago).unwrap();
+        assert!(cache.load(&engine, &sha256).is_some());
+        let used = std::fs::metadata(&entry).unwrap().modified().unwrap();
+        assert!(used > long_ago + Duration::from_secs(60), "a load marks the entry used");
         std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o622)).unwrap();
         assert!(
             cache.load(&engine, &sha256).is_none(),
@@ -205,16 +242,27 @@ mod tests {
         );
         std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(cache.load(&engine, &sha256).is_some());
+        // A link in the entry's place is not followed, even to a good entry.
+        let real = dir.path().join("elsewhere.cwasm");
+        std::fs::rename(&entry, &real).unwrap();
+        std::os::unix::fs::symlink(&real, &entry).unwrap();
+        assert!(cache.load(&engine, &sha256).is_none(), "a symbolic link");
+        std::fs::remove_file(&entry).unwrap();
+        std::fs::rename(&real, &entry).unwrap();
+        assert!(cache.load(&engine, &sha256).is_some());
 
         if effective_uid() == 0 {
             let nobody = 65534;
             std::os::unix::fs::chown(&entry, Some(nobody), None).unwrap();
             assert!(cache.load(&engine, &sha256).is_none(), "another user's entry");
             std::os::unix::fs::chown(&settings.dir, Some(nobody), None).unwrap();
+            std::fs::set_permissions(&settings.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
             let e = CompileCache::open(&settings, &engine)
                 .err()
                 .expect("another user's directory");
             assert!(e.to_string().contains("belongs to uid 65534"), "{e:#}");
+            let mode = std::fs::metadata(&settings.dir).unwrap().mode() & 0o777;
+            assert_eq!(mode, 0o755, "the refused directory's mode is not changed");
         }
     }
 
