@@ -599,10 +599,10 @@ fn pool(limits: &Limits) -> PoolingAllocationConfig {
         // Slots are reset with madvise past their kept prefixes (below) when a Store
         // drops. Not `pagemap_scan`: in wasmtime 48 its reset skips written pages that are
         // not present (swapped out, or being migrated by compaction, with no swap at all),
-        // which the next Store in the slot would read. It would take a JavaScript call's
-        // host CPU from 955 to 521 µs and a Python one's from 1,673 to 1,329 (their page
-        // faults and madvise are about half of it), and gains a Rust call nothing
-        // (docs/bench/changes.md, 2026-12-05, fifteenth session).
+        // which the next Store in the slot would read. With 4 MiB kept resident it took a
+        // JavaScript call's host CPU from 955 to 521 µs (4 MiB alone: 863), where page faults
+        // and madvise were half of it, and a Python one's from 1,673 to 1,329; a Rust call
+        // gains nothing (docs/bench/changes.md, 2026-12-05, fifteenth session).
         .table_elements(state::MAX_TABLE_ELEMENTS)
         // A slot serves again only after its reset.
         .decommit_batch_size(DECOMMIT_BATCH)
