@@ -35,6 +35,16 @@ async fn order(host: &TestHost, quantity: u32) -> String {
     a.body["orderId"].as_str().unwrap().to_string()
 }
 
+/// An order of `quantity`, once payments has requested its payment.
+async fn requested(host: &TestHost, quantity: u32) -> String {
+    let id = order(host, quantity).await;
+    eventually(Duration::from_secs(30), "the payment requested", || async {
+        payment(host, &id).await == "requested"
+    })
+    .await;
+    id
+}
+
 async fn field(host: &TestHost, plugin: &str, command: &str, body: Value, name: &str) -> Value {
     let a = host.command(plugin, command, body).await;
     assert_eq!(a.status, 200, "{}", a.text);
@@ -76,14 +86,8 @@ async fn payment_events(host: &TestHost, expected: usize) -> HashMap<String, Vec
 #[tokio::test]
 async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensates_it() {
     let host = chain(1500).await;
-    let paid = order(&host, 3).await;
-    let late = order(&host, 4).await;
-    for id in [&paid, &late] {
-        eventually(Duration::from_secs(30), "the payment requested", || async {
-            payment(&host, id).await == "requested"
-        })
-        .await;
-    }
+    let paid = requested(&host, 3).await;
+    let late = requested(&host, 4).await;
     assert_eq!(reserved(&host).await, 7);
     assert_eq!(
         host.count("SELECT count(*) FROM obx.timer").await,
@@ -137,14 +141,8 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
 #[tokio::test]
 async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fires() {
     let host = chain(600_000).await;
-    let late = order(&host, 2).await;
-    let kept = order(&host, 3).await;
-    for id in [&late, &kept] {
-        eventually(Duration::from_secs(30), "the payment requested", || async {
-            payment(&host, id).await == "requested"
-        })
-        .await;
-    }
+    let late = requested(&host, 2).await;
+    let kept = requested(&host, 3).await;
     // Both deadlines pass, and no host has fired their timers yet.
     let passed = sqlx::query("UPDATE payments.payments SET deadline_at = clock_timestamp() - interval '1 second'")
         .execute(&host.db)

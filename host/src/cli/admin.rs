@@ -205,14 +205,7 @@ impl Target {
         if !host.direct {
             return Ok(Target::Host(Admin::new(config, host)));
         }
-        let url = config
-            .database
-            .url
-            .as_ref()
-            .context("--direct needs the database: set DATABASE_URL or database.url")?;
-        Ok(Target::Database(
-            crate::db::connect(url.expose(), &config.database).await?,
-        ))
+        Ok(Target::Database(super::database(config, "--direct").await?))
     }
 }
 
@@ -399,15 +392,13 @@ pub(super) async fn outbox_replay(
         println!("replayed {sent} events");
         return Ok(ExitCode::SUCCESS);
     }
-    let url = config
-        .database
-        .url
-        .as_ref()
-        .context("replay needs a database: set DATABASE_URL or database.url")?;
+    if config.database.url.is_none() {
+        anyhow::bail!("replay needs the database: set DATABASE_URL or database.url");
+    }
     if config.kafka.brokers.trim().is_empty() {
         anyhow::bail!("replay needs brokers: set KAFKA_BROKERS or kafka.brokers");
     }
-    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let pool = super::database(&config, "replay").await?;
     let brokers = crate::kafka::Brokers::start(&config.kafka)?;
     let producer = crate::outbox::relay::producer(
         &brokers,

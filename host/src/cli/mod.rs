@@ -296,12 +296,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         } => config_check(cli.config, print),
         Command::Migrate => {
             let config = Config::load(cli.config.as_deref())?;
-            let url = config
-                .database
-                .url
-                .as_ref()
-                .context("`obx migrate` needs a database: set DATABASE_URL or database.url")?;
-            let pool = crate::db::connect(url.expose(), &config.database).await?;
+            let pool = database(&config, "`obx migrate`").await?;
             crate::db::migrate(&pool).await?;
             println!("host schema is up to date");
             Ok(ExitCode::SUCCESS)
@@ -377,6 +372,17 @@ impl Signals {
 }
 
 /// `obx config check`: loads and validates the configuration as `serve` would, offline.
+/// The configured database, for a command that works on it (`command` names it in the error
+/// when none is configured).
+async fn database(config: &Config, command: &str) -> Result<sqlx::PgPool> {
+    let url = config
+        .database
+        .url
+        .as_ref()
+        .with_context(|| format!("{command} needs the database: set DATABASE_URL or database.url"))?;
+    crate::db::connect(url.expose(), &config.database).await
+}
+
 fn config_check(file: Option<PathBuf>, print: bool) -> Result<ExitCode> {
     match Config::load(file.as_deref()) {
         Ok(config) => {

@@ -126,12 +126,7 @@ pub(super) async fn plugin_release_event(
 ) -> Result<ExitCode> {
     use crate::runtime::plugin_schema::{release_event, Release};
     let config = Config::load(config.as_deref())?;
-    let url = config
-        .database
-        .url
-        .as_ref()
-        .context("`obx plugin release-event` needs the database: set DATABASE_URL or database.url")?;
-    let pool = crate::db::connect(url.expose(), &config.database).await?;
+    let pool = super::database(&config, "`obx plugin release-event`").await?;
     let release = release_event(&pool, plugin, topic, event_type)
         .await
         .context("releasing the declaration (is this an OBX database? `obx migrate` makes its schema)")?;
