@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use obx_tests::{consume, eventually, spawn_host, TestHost};
+use obx_tests::{consume, eventually, spawn_host, Answer, TestHost};
 use serde_json::{json, Value};
 
 /// The chain's three Rust plugins, a 1.5 s payment deadline, and 100 of product p-1.
@@ -43,6 +43,22 @@ async fn requested(host: &TestHost, quantity: u32) -> String {
     })
     .await;
     id
+}
+
+/// ConfirmPayment for the order `id`.
+async fn confirm(host: &TestHost, id: &str) -> Answer {
+    host.command("payments", "ConfirmPayment", json!({ "orderId": id }))
+        .await
+}
+
+/// `a` is a confirmation refused for a deadline that passed.
+fn refused_after_the_deadline(a: &Answer) {
+    assert_eq!(
+        (a.status, &a.body["error"]["reason"]),
+        (409, &json!("payment-timed-out")),
+        "{}",
+        a.text
+    );
 }
 
 async fn field(host: &TestHost, plugin: &str, command: &str, body: Value, name: &str) -> Value {
@@ -97,9 +113,7 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
 
     // One ending: confirmed in time. Confirming again answers the same, and emits nothing.
     for _ in 0..2 {
-        let a = host
-            .command("payments", "ConfirmPayment", json!({ "orderId": paid }))
-            .await;
+        let a = confirm(&host, &paid).await;
         assert_eq!((a.status, &a.body["status"]), (200, &json!("confirmed")), "{}", a.text);
     }
     // The other: its deadline passes. PaymentTimedOut releases its stock and cancels it.
@@ -112,15 +126,8 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
         order_status(&host, &paid).await == "paid"
     })
     .await;
-    let a = host
-        .command("payments", "ConfirmPayment", json!({ "orderId": late }))
-        .await;
-    assert_eq!(
-        (a.status, &a.body["error"]["reason"]),
-        (409, &json!("payment-timed-out")),
-        "{}",
-        a.text
-    );
+    let a = confirm(&host, &late).await;
+    refused_after_the_deadline(&a);
 
     // Well past both deadlines, the cancelled timer never fired.
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -158,23 +165,14 @@ async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fire
         .await;
     assert_eq!(a.status, 200, "{}", a.text);
 
-    let a = host
-        .command("payments", "ConfirmPayment", json!({ "orderId": late }))
-        .await;
-    assert_eq!(
-        (a.status, &a.body["error"]["reason"]),
-        (409, &json!("payment-timed-out")),
-        "{}",
-        a.text
-    );
+    let a = confirm(&host, &late).await;
+    refused_after_the_deadline(&a);
     // Nothing changed: the payment waits for its timer, which is still there.
     assert_eq!(payment(&host, &late).await, "requested");
     let timer = format!("SELECT count(*) FROM obx.timer WHERE key = '{late}'");
     assert_eq!(host.count(&timer).await, 1);
     // The payment with no timer left is confirmed.
-    let a = host
-        .command("payments", "ConfirmPayment", json!({ "orderId": kept }))
-        .await;
+    let a = confirm(&host, &kept).await;
     assert_eq!((a.status, &a.body["status"]), (200, &json!("confirmed")), "{}", a.text);
 
     // The late timer fires.
@@ -217,9 +215,7 @@ async fn a_confirmation_racing_the_deadline_ends_each_order_one_way() {
     tokio::time::sleep(Duration::from_millis(600)).await;
     let mut answers = HashMap::new();
     for id in &ids {
-        let a = host
-            .command("payments", "ConfirmPayment", json!({ "orderId": id }))
-            .await;
+        let a = confirm(&host, id).await;
         assert!(a.status == 200 || a.status == 409, "{} {}", a.status, a.text);
         answers.insert(id.clone(), a.status == 200);
         tokio::time::sleep(Duration::from_millis(30)).await;
