@@ -371,7 +371,6 @@ impl Signals {
     }
 }
 
-/// `obx config check`: loads and validates the configuration as `serve` would, offline.
 /// The configured database, for a command that works on it (`command` names it in the error
 /// when none is configured).
 async fn database(config: &Config, command: &str) -> Result<sqlx::PgPool> {
@@ -383,6 +382,7 @@ async fn database(config: &Config, command: &str) -> Result<sqlx::PgPool> {
     crate::db::connect(url.expose(), &config.database).await
 }
 
+/// `obx config check`: loads and validates the configuration as `serve` would, offline.
 fn config_check(file: Option<PathBuf>, print: bool) -> Result<ExitCode> {
     match Config::load(file.as_deref()) {
         Ok(config) => {
