@@ -35,14 +35,14 @@ async fn order(host: &TestHost, quantity: u32) -> String {
     a.body["orderId"].as_str().unwrap().to_string()
 }
 
-/// An order of `quantity`, once payments has requested its payment.
-async fn requested(host: &TestHost, quantity: u32) -> String {
-    let id = order(host, quantity).await;
-    eventually(Duration::from_secs(30), "the payment requested", || async {
-        payment(host, &id).await == "requested"
-    })
-    .await;
-    id
+/// Waits until payments has requested the payment of each of `orders`.
+async fn requested<'a>(host: &TestHost, orders: impl IntoIterator<Item = &'a String>) {
+    for id in orders {
+        eventually(Duration::from_secs(30), "the payment requested", || async {
+            payment(host, id).await == "requested"
+        })
+        .await;
+    }
 }
 
 /// ConfirmPayment for the order `id`.
@@ -102,8 +102,9 @@ async fn payment_events(host: &TestHost, expected: usize) -> HashMap<String, Vec
 #[tokio::test]
 async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensates_it() {
     let host = chain(1500).await;
-    let paid = requested(&host, 3).await;
-    let late = requested(&host, 4).await;
+    let paid = order(&host, 3).await;
+    let late = order(&host, 4).await;
+    requested(&host, [&paid, &late]).await;
     assert_eq!(reserved(&host).await, 7);
     assert_eq!(
         host.count("SELECT count(*) FROM obx.timer").await,
@@ -148,8 +149,9 @@ async fn a_confirmed_payment_completes_the_order_and_a_missed_deadline_compensat
 #[tokio::test]
 async fn a_confirmation_after_the_deadline_is_refused_before_its_late_timer_fires() {
     let host = chain(600_000).await;
-    let late = requested(&host, 2).await;
-    let kept = requested(&host, 3).await;
+    let late = order(&host, 2).await;
+    let kept = order(&host, 3).await;
+    requested(&host, [&late, &kept]).await;
     // Both deadlines pass, and no host has fired their timers yet.
     let passed = sqlx::query("UPDATE payments.payments SET deadline_at = clock_timestamp() - interval '1 second'")
         .execute(&host.db)
@@ -205,12 +207,7 @@ async fn a_confirmation_racing_the_deadline_ends_each_order_one_way() {
     for _ in 0..20 {
         ids.push(order(&host, 1).await);
     }
-    for id in &ids {
-        eventually(Duration::from_secs(30), "the payment requested", || async {
-            payment(&host, id).await == "requested"
-        })
-        .await;
-    }
+    requested(&host, &ids).await;
     // Confirm each around its deadline: the requests span it.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let mut answers = HashMap::new();
