@@ -911,6 +911,108 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
     host.shutdown().await;
 }
 
+/// A broker that refuses a record's timestamp (older than the topic's `message.timestamp.*`
+/// settings allow) refuses it at every attempt: the row keeps its `created_at`. Such a row
+/// is handled as one refused for good, again alone and then set aside, and its key moves
+/// on. It was retried for ever, with its key held.
+#[tokio::test]
+async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves_on() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to refuse produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        // The command's rows in one produce batch, however slow the machine.
+        c.relay.linger_ms = 100;
+    })
+    .await;
+    let t = topic("beta");
+    let emit = |keys: &'static [&'static str]| {
+        let (host, t) = (&host, t.clone());
+        async move {
+            let a = host
+                .command("testbed", "emit", json!({ "id": keys[0], "topic": t, "keys": keys }))
+                .await;
+            assert_eq!(a.status, 200, "{}", a.text);
+        }
+    };
+    emit(&["warm"]).await;
+    all_published(&host, 1).await;
+    // The batch is refused, and then its first row alone.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_TIMESTAMP,
+        2,
+    );
+    emit(&["t", "t", "t"]).await;
+    all_published(&host, 3).await;
+    let aside: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
+         JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap();
+    assert_eq!(aside, vec![("t".to_string(), "0".to_string(), 2)]);
+    host.shutdown().await;
+}
+
+/// A key with a row in flight from an earlier step sends nothing after it until the broker
+/// has answered that row. Here the broker answers late (past `ack_timeout`, so the next step
+/// claims the key's next row) and refuses the first row with an error the producer does not
+/// retry: sent meanwhile, in a produce request of its own, the next row landed first.
+#[tokio::test]
+async fn a_keys_next_row_waits_for_its_row_in_flight_and_follows_it_when_that_one_is_refused() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to answer late and refuse produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.ack_timeout = Duration::from_millis(300);
+        c.relay.backoff_max = Duration::from_secs(1);
+    })
+    .await;
+    let t = topic("gamma");
+    let emit = |seq: i64| {
+        let (host, t) = (&host, t.clone());
+        async move {
+            let a = host
+                .command(
+                    "testbed",
+                    "emit",
+                    json!({ "id": format!("s{seq}"), "topic": t, "keys": ["k"], "seq": seq }),
+                )
+                .await;
+            assert_eq!(a.status, 200, "{}", a.text);
+        }
+    };
+    emit(0).await;
+    all_published(&host, 1).await;
+    // The next produce request is refused (on arrival), and every answer comes 2 s late.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+        1,
+    );
+    mock.delay(1, Duration::from_secs(2)).unwrap();
+    emit(1).await;
+    // Past the step's ack_timeout: the next steps claim the key's next row.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    emit(2).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    mock.delay(1, Duration::ZERO).unwrap();
+    all_published(&host, 3).await;
+    let messages = consume(&broker.bootstrap, &host.topic(&t), 3, Duration::from_secs(8)).await;
+    let ids: HashSet<&str> = messages.iter().map(|m| m.header("eventId").unwrap()).collect();
+    assert_eq!(ids.len(), 3, "every event on the broker");
+    assert_eq!(key_order_violations(&messages), 0, "per-key order violations");
+    host.shutdown().await;
+}
+
 /// Rows the broker never answers (here, of a topic whose partitions have no leader) do not
 /// hold up the other topics: past `stall_timeout`, while the broker answers, each is recorded
 /// as failing (counted, with the reason), and claims pass it and its key by while it waits. Before, they stayed at the head of every claim: with a batch's worth

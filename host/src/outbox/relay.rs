@@ -599,6 +599,16 @@ impl Relay {
         let waiting = st.inflight.values().any(|f| !f.unanswered);
         let (mut held_back, mut queue_full) = (false, false);
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
+        // Nor does a key with a row still in flight from an earlier step: sent in another
+        // produce request, a later row can land before it if the broker refuses it for a
+        // reason the producer does not retry (its idempotence keeps order only through the
+        // retries it makes itself). A step waits for its answers, so this holds keys back only
+        // while the broker is slow to answer.
+        let earlier: HashSet<(String, String)> = st
+            .inflight
+            .values()
+            .map(|f| (f.row.topic.clone(), f.row.partition_key.clone()))
+            .collect();
         let mut refused: Vec<(SentRow, Refusal)> = Vec::new();
         // Topics the broker does not know: created (where allowed) before the next attempt.
         let mut unknown_topics: Vec<String> = Vec::new();
@@ -608,6 +618,10 @@ impl Relay {
                 || blocked.contains(&(row.topic.as_str(), row.partition_key.as_str()))
                 || st.inflight.contains_key(&row.id)
             {
+                continue;
+            }
+            if earlier.contains(&(row.topic.clone(), row.partition_key.clone())) {
+                blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
                 continue;
             }
             if solo.is_some_and(|id| waiting || id != row.id) {
@@ -801,15 +815,14 @@ impl Relay {
                 "outbox rows still unacknowledged after {wait:?}; is the broker up?",
             );
         }
-        Ok(if !refused.is_empty() {
-            Outcome::Backoff
-        } else if pending > 0 {
-            Outcome::Waiting
-        } else if cut || full || (held_back && !queue_full) {
-            Outcome::More
-        } else {
-            Outcome::Idle
-        })
+        Ok(outcome(&Step {
+            refused: !refused.is_empty(),
+            pending: pending > 0,
+            acked: !acked.is_empty(),
+            more_claimable: cut || full,
+            held_back,
+            queue_full,
+        }))
     }
 }
 
@@ -926,10 +939,44 @@ async fn settle_again_alone<'a>(
     Ok(())
 }
 
+/// What a step saw, for what the loop does next.
+struct Step {
+    /// The broker refused rows.
+    refused: bool,
+    /// Rows are still unacknowledged after the step's wait.
+    pending: bool,
+    /// The broker acknowledged rows.
+    acked: bool,
+    /// The claim was full or cut by its bytes: more rows may be waiting.
+    more_claimable: bool,
+    /// A row was held back to go alone once nothing else is in flight.
+    held_back: bool,
+    /// The producer's queue refused a send.
+    queue_full: bool,
+}
+
+/// What the loop does after a step. A queue that refused a send frees room only as the
+/// broker answers: with no answer this step, the next one waits instead of following at once
+/// (rows the broker never answers can fill the queue by their bytes, and the relay then
+/// stepped without a pause, a claim and an update at every turn).
+fn outcome(step: &Step) -> Outcome {
+    if step.refused {
+        Outcome::Backoff
+    } else if step.pending || (step.queue_full && !step.acked) {
+        Outcome::Waiting
+    } else if step.more_claimable || (step.held_back && !step.queue_full) {
+        Outcome::More
+    } else {
+        Outcome::Idle
+    }
+}
+
 /// Why the broker (or the producer) refused a row.
 struct Refusal {
     error: String,
-    /// No later attempt can succeed: the message is too large or the topic is invalid.
+    /// No later attempt can succeed: the message is too large, the topic is invalid, or
+    /// the broker refuses the record's timestamp (its age, against the topic's
+    /// `message.timestamp.*` settings: the row keeps its `created_at`, and only grows older).
     permanent: bool,
     /// Refused for good, but with other rows in flight, perhaps for one of them: it goes
     /// again alone. Its shard.
@@ -960,6 +1007,7 @@ impl Refusal {
                     | C::MessageBatchTooLarge
                     | C::InvalidTopic
                     | C::InvalidRecord
+                    | C::InvalidTimestamp
             )
         );
         Refusal {
@@ -1136,6 +1184,29 @@ mod tests {
     use crate::db::embedded::EmbeddedPostgres;
 
     const LOCKS: LockSpace = LockSpace::of(0x6f62_7800);
+
+    /// A step whose sends met a full queue and that got no answer waits before the next one:
+    /// rows the broker never answers can fill the queue by their bytes, and the relay then
+    /// stepped without a pause. With answers, the queue has room again, and it goes on.
+    #[test]
+    fn a_full_queue_with_no_answer_waits_before_the_next_step() {
+        let step = |acked: bool, queue_full: bool| Step {
+            refused: false,
+            pending: false,
+            acked,
+            more_claimable: true,
+            held_back: false,
+            queue_full,
+        };
+        assert_eq!(outcome(&step(false, true)), Outcome::Waiting);
+        assert_eq!(outcome(&step(true, true)), Outcome::More);
+        assert_eq!(outcome(&step(false, false)), Outcome::More);
+        let refused = Step {
+            refused: true,
+            ..step(false, true)
+        };
+        assert_eq!(outcome(&refused), Outcome::Backoff);
+    }
 
     fn row(id: i64, payload_bytes: usize) -> OutboxRow {
         OutboxRow {
