@@ -879,6 +879,54 @@ async fn an_inbox_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
     a_refused_commit_parks_its_event(INBOX, json!("raise")).await;
 }
 
+/// An event whose commit plugin code holds past the host's bound (`commit_within`: four
+/// statement timeouts and 2 s, here 6 s; Postgres times no part of a `COMMIT`) is cut off at
+/// every attempt. Each cut counts as a failed attempt, and the event is parked in the end
+/// while the other key flows. A cut was taken for the database's failure: never counted, the
+/// event was tried for ever, and its partition (dedup) or key (inbox) held up with it.
+async fn a_commit_cut_off_parks_its_event(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    first.make_deferred_sleep(8.0).await;
+    let p = producer(&broker.bootstrap);
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for seq in 1..=6 {
+        let defer = if seq == 4 { json!("raise") } else { json!(false) };
+        let payload = json!({ "seq": seq, "defer_violation": defer });
+        a.push(send_event(&p, &topic, "A", "Thing", &payload).await);
+        b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
+    }
+    let host = next_host(&broker, first, |c| {
+        c.consumer.lanes = 1;
+        c.consumer.max_attempts = 2;
+        c.limits.statement_timeout = Duration::from_secs(1);
+    })
+    .await;
+    eventually(Duration::from_secs(90), "the held event parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
+    })
+    .await;
+    a4_parked_while_b_flows(&host, &a, &b).await;
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
+    assert_eq!(letters[0].event_id, a[3]);
+    assert!(letters[0].error.contains("cut off"), "{}", letters[0].error);
+    assert_each_effect_once(&host, 9).await;
+    assert_eq!(key_disorder(&host).await, 0);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_whose_commit_is_cut_off_is_parked() {
+    a_commit_cut_off_parks_its_event(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_whose_commit_is_cut_off_is_parked() {
+    a_commit_cut_off_parks_its_event(INBOX).await;
+}
+
 /// A batch of events stops starting handlers once their emits reach one call's limit
 /// (`limits.max_emit_bytes_per_call`): it holds its events until its commit, in one
 /// statement. Nine queued events whose handlers emit 400 KB each commit in batches of three

@@ -372,7 +372,7 @@ impl TimerService {
     /// What a batch whose commit failed (`e`), having run `ran` timers of which `done` did
     /// their work, comes to.
     async fn commit_failed(&self, name: &str, e: sqlx::Error, ran: usize, done: &[Due]) -> anyhow::Result<Batch> {
-        if !crate::db::refused_for_content(&e) {
+        if !crate::db::refused_for_content(&e) && !crate::db::sessions::commit_cut(&e) {
             // The database or the connection failed, not the timers: none is charged, and
             // the loop backs off.
             return Err(e.into());

@@ -596,6 +596,22 @@ impl TestHost {
         .unwrap();
     }
 
+    /// As [`TestHost::make_deferred_raise`], with a trigger that holds the commit `seconds`
+    /// instead of refusing it: plugin code at the commit that runs on.
+    pub async fn make_deferred_sleep(&self, seconds: f64) {
+        let mut session = self.plugin_session("testbed").await;
+        sqlx::raw_sql(&format!(
+            "CREATE TABLE deferred_raise (id text); \
+             CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()"
+        ))
+        .execute(&mut session)
+        .await
+        .unwrap();
+    }
+
     /// How many sessions of this host's database wait for a lock now.
     pub async fn lock_waits(&self) -> i64 {
         self.count(

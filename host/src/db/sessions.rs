@@ -81,6 +81,21 @@ const CHECK: &str = "SELECT * FROM obx_api.call_check()";
 /// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
 /// same round trip, so that it also clears what plugin code did during the commit.
 const CLEAR: &str = "CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; DISCARD TEMP; DISCARD SEQUENCES";
+/// A commit the host cut off: its round trip ran past the login's `commit_within`, and its
+/// session was ended. Plugin code at the commit (a deferred trigger) ran on: unless the
+/// commit record was written in time, the transaction is undone. See [`commit_cut`].
+#[derive(Debug, thiserror::Error)]
+#[error("the commit ran past {0:?}; its session was ended")]
+pub struct CommitCut(pub Duration);
+
+/// Whether `e` is a [`CommitCut`]. Plugin code that runs this long at one commit will
+/// likely do so at the next: an event's or a timer's handling counts it as a failed attempt,
+/// so that it is parked in the end rather than tried for ever. A command answers it as an
+/// unknown outcome (the commit may have gone through).
+pub fn commit_cut(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Io(io) if io.get_ref().is_some_and(|inner| inner.is::<CommitCut>()))
+}
+
 /// A plugin statement or commit that takes this long is logged (by the host, without the
 /// values it carried).
 pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
@@ -429,7 +444,7 @@ impl PluginTx {
                 warn_if_slow(&self.role, "commit", sent, false);
                 return Err(sqlx::Error::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("the commit ran past {:?}; its session was ended", self.commit_within),
+                    CommitCut(self.commit_within),
                 )));
             };
             warn_if_slow(&self.role, "commit", sent, reply.is_ok());

@@ -93,10 +93,19 @@ pub(crate) struct Failure {
 
 /// The failure a refused commit stands for, when the handlers caused it (see
 /// [`crate::db::refused_for_content`]): a constraint they deferred to the commit, an error a
-/// deferred trigger raised there, an event id emitted twice. Such a commit is refused the
-/// same way every time, so it counts as a failed attempt of the event it carried, and the
-/// event is parked in the end; any other error is the database's.
+/// deferred trigger raised there, an event id emitted twice; or plugin code at the commit
+/// that ran past its bound, so that the host cut the commit off
+/// ([`crate::db::sessions::commit_cut`]). Such a commit ends the same way every time, so it
+/// counts as a failed attempt of the event it carried, and the event is parked in the end
+/// (a cut commit that went through all the same is found done at the next attempt); any
+/// other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
+    if crate::db::sessions::commit_cut(e) {
+        return Some(Failure {
+            error: format!("the commit was cut off: {e}"),
+            retriable: true,
+        });
+    }
     crate::db::refused_for_content(e).then(|| Failure {
         error: format!("the commit was refused: {e}"),
         retriable: true,
