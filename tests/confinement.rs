@@ -193,7 +193,7 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
     let probe = "SELECT pg_backend_pid(), \
         (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())::int4 AS locks, \
         current_setting('work_mem') || ' ' || current_setting('statement_timeout') || ' ' || \
-        current_setting('search_path') AS settings, \
+        current_setting('search_path') || ' ' || current_setting('client_min_messages') AS settings, \
         (SELECT count(*) FROM pg_cursors)::int4 AS cursors, \
         (SELECT count(*) FROM pg_listening_channels())::int4 AS listens";
     let clean = |row: &sqlx::postgres::PgRow| {
@@ -209,11 +209,14 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
     let first_pid: i32 = before.get(0);
     let expected = clean(&before);
     assert_eq!(expected.0, 0);
+    // Postgres sends a plugin session no notices (see `obx::telemetry`'s log filter).
+    assert!(expected.1.ends_with(" error"), "{}", expected.1);
     for sql in [
         "SELECT pg_advisory_lock(7)",
         "SELECT pg_advisory_lock(hashtext('obx.plugin.testbed'))",
         "SET work_mem = '512MB'",
         "SET statement_timeout = 0",
+        "SET client_min_messages = notice",
         "SELECT set_config('search_path', 'public', false)",
         "DECLARE kept CURSOR WITH HOLD FOR SELECT 1",
         "LISTEN obx_outbox",

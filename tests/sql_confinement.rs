@@ -457,6 +457,38 @@ async fn a_huge_result_set_is_cut_off_without_growing_the_host() {
     host.shutdown().await;
 }
 
+/// A row the host cannot read (a type plugins cannot read) fails the statement with the
+/// rest of its result unread: the session is abandoned, its backend ended, as for a result
+/// past its bound. It went back to the call, whose rollback then read the rest of the result,
+/// outside the call's slot and deadline, for as long as the statement ran on: this request
+/// waited for `http.request_timeout` (30 s) and was answered 503.
+#[tokio::test]
+async fn a_result_abandoned_at_a_row_the_host_cannot_read_is_not_drained() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(60)).await;
+    let started = std::time::Instant::now();
+    // A set-returning function in the select list streams its rows (in FROM, Postgres would
+    // make them all before the first).
+    let (status, reason) = run(&host, "SELECT ARRAY[generate_series(1, 1000000000)]", json!([])).await;
+    assert_eq!((status, reason.as_str()), (409, Some("invalid")), "{reason}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    let role = host.plugin_role("testbed").await;
+    eventually(Duration::from_secs(5), "the abandoned backend ends", || async {
+        host.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND state = 'active'"
+        ))
+        .await
+            == 0
+    })
+    .await;
+    let (status, body) = run(&host, "SELECT count(*) FROM generate_series(1, 10)", json!([])).await;
+    assert_eq!(status, 200, "{body}");
+    host.shutdown().await;
+}
+
 /// The result's bound counts what the host holds, not only what arrives: a `numeric` of a
 /// few bytes on the wire is 131,072 digits as text, and a NULL is no bytes at all. Before,
 /// this query's 100 KB came in as 1.3 GB of text.

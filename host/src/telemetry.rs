@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::EnvFilter;
 
 /// How the log is written: `--log-format`, or `OBX_LOG_FORMAT`.
@@ -54,15 +54,32 @@ enum LogFilter {
 /// (`info`, `obx=debug,sqlx=warn`) that `EnvFilter` also reads filters as `EnvFilter` would,
 /// without its cost; anything else (a span or field directive, an empty or unreadable value,
 /// an empty part, a space, a target `EnvFilter` would refuse) goes to `EnvFilter` as before.
+///
+/// The notices and warnings Postgres sends on a session (sqlx logs them under
+/// [`NOTICES`]) are off unless the value names that target: a plugin's statements can make
+/// Postgres send one per row, each quoting a value of the plugin's whole, and through that
+/// target they reached the host's log past the `log` import's bounds. Plugin sessions also
+/// start with `client_min_messages` at `error`, but a session may change its own settings.
 fn log_filter(rust_log: Option<String>) -> LogFilter {
     let spec = rust_log.unwrap_or_else(|| "info".into());
+    let notices = !spec.contains(NOTICES);
     let env = EnvFilter::try_new(&spec);
-    match (spec.split(',').all(plain_directive), spec.parse::<Targets>(), env) {
+    let filter = match (spec.split(',').all(plain_directive), spec.parse::<Targets>(), env) {
         (true, Ok(targets), Ok(_)) => LogFilter::Targets(targets),
         (_, _, Ok(env)) => LogFilter::Env(env),
         (_, _, Err(_)) => LogFilter::Env(EnvFilter::new("info")),
+    };
+    match filter {
+        LogFilter::Targets(t) if notices => LogFilter::Targets(t.with_target(NOTICES, LevelFilter::OFF)),
+        LogFilter::Env(f) if notices => {
+            LogFilter::Env(f.add_directive(format!("{NOTICES}=off").parse().expect("a valid directive")))
+        }
+        filter => filter,
     }
 }
+
+/// The target under which sqlx logs what Postgres notices on a session.
+const NOTICES: &str = "sqlx::postgres::notice";
 
 /// Whether `directive` is `level`, `target` or `target=level`, which `Targets` and
 /// `EnvFilter` read alike: a target of letters, digits, `_`, `-` and `::`, a level that is
@@ -191,6 +208,14 @@ mod tests {
         assert!(!mixed.would_enable("obx::relay", &Level::INFO));
         assert!(mixed.would_enable("obx::relay", &Level::WARN));
         assert!(!mixed.would_enable("sqlx::query", &Level::WARN));
+        // What Postgres notices on a session is off, unless asked for by name.
+        for v in [None, Some("debug"), Some("warn,sqlx=trace")] {
+            assert!(
+                !targets(v).would_enable("sqlx::postgres::notice", &Level::WARN),
+                "{v:?}"
+            );
+        }
+        assert!(targets(Some("info,sqlx::postgres::notice=info")).would_enable("sqlx::postgres::notice", &Level::INFO));
         let off = targets(Some("OFF"));
         assert!(!off.would_enable("obx", &Level::ERROR));
         let plain = targets(Some("obx::dispatch=info,INFO,sqlx=5"));

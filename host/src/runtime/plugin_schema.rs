@@ -299,6 +299,9 @@ fn session_settings(schema: &str, limits: &Limits) -> Vec<(&'static str, String)
         ("work_mem", format!("{}kB", limits.work_mem_bytes / 1024)),
         // A statement whose client went away (a call killed at its deadline) stops soon.
         ("client_connection_check_interval", "1000ms".to_string()),
+        // No notices: a statement can make Postgres send one per row, each quoting a value
+        // whole (the host's log filter drops any that a session asks for again).
+        ("client_min_messages", "error".to_string()),
     ]
 }
 

@@ -76,7 +76,7 @@ impl CallState {
         let (max_rows, max_bytes) = (self.limits.max_rows as usize, self.limits.max_result_bytes);
         let tx = self.sending().expect("checked above");
         let sent = std::time::Instant::now();
-        let mut overflowed = false;
+        let mut abandoned = false;
         let result = match mode {
             Mode::Execute => sqlx::query_with(&sql, args)
                 .execute(&mut **tx)
@@ -114,17 +114,21 @@ impl CallState {
                                         "the query returned more than {max_rows} rows or {max_bytes} bytes; \
                                          add a LIMIT or select less"
                                     )));
-                                    overflowed = true;
+                                    abandoned = true;
                                     break;
                                 }
                                 Err(RowError::Invalid(m)) => {
                                     failed = Some(SqlError::Invalid(m));
+                                    abandoned = true;
                                     break;
                                 }
                             }
                         }
                         Ok(None) => break,
                         Err(e) => {
+                            // A database error ends the result; anything else (a row sqlx could
+                            // not read) may leave the rest of it coming.
+                            abandoned |= !matches!(e, sqlx::Error::Database(_));
                             failed = Some(map_error(e));
                             break;
                         }
@@ -136,8 +140,11 @@ impl CallState {
                 }
             }
         };
-        if overflowed {
-            // The rest of the result is still coming: never read it.
+        if abandoned {
+            // The rest of the result is still coming: never read it. Read later, by the
+            // rollback after the failed call, it was read outside the call's slot and
+            // deadline, for as long as the statement ran on (without a statement timeout, for
+            // ever). A poisoned session is closed and its backend ended instead.
             tx.poison();
         }
         if sent.elapsed() >= SLOW_STATEMENT {
