@@ -657,6 +657,34 @@ fn slow_commit(id: &str, seconds: f64) -> serde_json::Value {
     json!({ "mode": "execute", "sql": format!("INSERT INTO slow_commit (id, seconds) VALUES ('{id}', {seconds})") })
 }
 
+/// A client that goes away while its command commits does not undo the commit: once the
+/// `COMMIT` is sent, it runs to its end (here plugin code holds it 2 s, and the client closes
+/// its connection 1 s in). hyper drops the request's work when its client goes; that ended
+/// the session's backend in the middle of the `COMMIT`, which rolled the command back.
+#[tokio::test]
+async fn a_command_whose_client_goes_away_during_its_commit_commits() {
+    use tokio::io::AsyncWriteExt;
+    let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(10)).await;
+    make_slow_commit(&host).await;
+    let body = slow_commit("gone", 2.0).to_string();
+    let mut peer = tokio::net::TcpStream::connect(host.host.addr).await.unwrap();
+    let request = format!(
+        "POST /v1/commands/testbed/sql HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    peer.write_all(request.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(peer);
+    eventually(Duration::from_secs(10), "the command committed", || async {
+        host.count("SELECT count(*) FROM testbed.slow_commit WHERE id = 'gone'")
+            .await
+            == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// A request whose `Idempotency-Key` another request still holds (that one's commit takes
 /// 3 s; the claim waits the role's 1 s lock timeout) is answered 409
 /// `idempotency_key_in_use`: the key's owner is running, and the database is fine. It was 503
