@@ -370,6 +370,13 @@ impl Relay {
                     state.shards.clear();
                     state.alone.clear();
                     self.owns_all.store(false, Ordering::Relaxed);
+                    // Another relay may take those shards at once: what is in flight on them
+                    // goes with its producer, and is claimed again. Settled later on shards
+                    // another relay held, a refusal recorded there locked the row, whose
+                    // key's next row that relay then sent first.
+                    if !state.inflight.is_empty() {
+                        purge(&mut state, None).await;
+                    }
                     // A step fails for the database (a restart, a terminated backend) or a
                     // producer that cannot be made: try again within a second, not after
                     // the backoff of refused deliveries (up to backoff_max).
@@ -421,9 +428,7 @@ impl Relay {
     /// acknowledgements have stalled past `stall_timeout` while the broker answers a new
     /// client (a producer can keep waiting on a connection or a sequence state from before
     /// an outage long after the broker is back; it may not even answer a metadata request
-    /// itself). The old producer's messages are purged and its connections closed before
-    /// the new one sends anything, and its rows are claimed and sent again in id order, so
-    /// each key's order holds (second copies on the broker are allowed: at least once).
+    /// itself). Its rows in flight go with it ([`purge`]).
     async fn replace_unfit_producer(&self, st: &mut State) -> Result<()> {
         let Some(current) = st.producer.as_ref() else {
             return Ok(());
@@ -463,13 +468,7 @@ impl Relay {
         }
         tracing::warn!(why, "replacing the Kafka producer");
         metrics::counter!("obx_relay_producer_rebuilds_total").increment(1);
-        let old = st.producer.replace(fresh);
-        for (_, inflight) in st.inflight.drain() {
-            if let Some(mut span) = inflight.span {
-                span.fail(RESENT);
-            }
-        }
-        let _ = tokio::task::spawn_blocking(move || drop(old)).await;
+        purge(st, Some(fresh)).await;
         Ok(())
     }
 
@@ -937,6 +936,23 @@ async fn settle_again_alone<'a>(
         }
     }
     Ok(())
+}
+
+/// Drops the rows in flight with the producer that sent them, which `replacement` (if any)
+/// takes the place of: the old one's messages are purged and its connections closed (off
+/// the async workers, as that may block) before anything else is sent, and the rows are
+/// claimed and sent again in id order, so each key's order holds (second copies on the
+/// broker are allowed: at least once).
+async fn purge(st: &mut State, replacement: Option<FutureProducer>) {
+    let old = std::mem::replace(&mut st.producer, replacement);
+    for (_, inflight) in st.inflight.drain() {
+        if let Some(mut span) = inflight.span {
+            span.fail(RESENT);
+        }
+    }
+    if let Some(old) = old {
+        let _ = tokio::task::spawn_blocking(move || drop(old)).await;
+    }
 }
 
 /// What a step saw, for what the loop does next.
