@@ -18,6 +18,8 @@
 //!   A session whose transaction did not end cleanly is closed, never reused, and its
 //!   backend terminated: it may still be running a statement. A commit's round trip is
 //!   bounded by the host ([`Login`]'s `commit_within`): Postgres times no part of a `COMMIT`.
+//!   A commit whose caller is dropped while it runs (a request whose client went away) is let
+//!   end within that bound, and only then is its session closed.
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
@@ -27,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{ConnectOptions, Executor, PgConnection, PgPool, Postgres, Row};
+use sqlx::{ConnectOptions, Connection, Executor, PgConnection, PgPool, Postgres, Row};
 
 use super::login::Login;
 use crate::config::DatabaseConfig;
@@ -256,6 +258,7 @@ impl Sessions {
                         at_commit: String::new(),
                         at_commit_statements: 0,
                         commit_within,
+                        committing: None,
                     };
                     return Ok((tx, rows));
                 }
@@ -377,6 +380,9 @@ pub struct PluginTx {
     at_commit_statements: usize,
     /// The longest the commit's round trip may take ([`Login::commit_within`]).
     commit_within: Duration,
+    /// When the commit's round trip was sent, while it runs: dropped then (a request whose
+    /// client went away), the transaction is let end rather than its backend ended.
+    committing: Option<Instant>,
 }
 
 impl PluginTx {
@@ -437,7 +443,10 @@ impl PluginTx {
             let sql = format!("{CHECK}; {at_commit}COMMIT; {CLEAR}");
             let before_commit = 1 + std::mem::take(&mut self.at_commit_statements);
             let round_trip = commit_round_trip(conn, &sql, before_commit);
-            let Ok(reply) = tokio::time::timeout(self.commit_within, round_trip).await else {
+            self.committing = Some(sent);
+            let reply = tokio::time::timeout(self.commit_within, round_trip).await;
+            self.committing = None;
+            let Ok(reply) = reply else {
                 // Plugin code at the commit (a deferred trigger) that runs on: `Drop` ends the
                 // backend, which undoes the transaction unless its commit record was written.
                 self.poisoned = true;
@@ -567,6 +576,25 @@ impl Drop for PluginTx {
         let Some(conn) = self.conn.take() else {
             return;
         };
+        if let Some(sent) = self.committing {
+            // Dropped with its commit sent (hyper drops a request's work when its client
+            // goes): the commit is let end, within the commit's bound, and the session closed.
+            // Ended mid-`COMMIT`, the backend undid the transaction or not, as it happened.
+            let within = self.commit_within.saturating_sub(sent.elapsed());
+            let (pid, role, host) = (self.pid, self.role.clone(), self.host.clone());
+            tokio::spawn(async move {
+                let mut conn = conn;
+                // Reads the rest of the commit's round trip first.
+                match tokio::time::timeout(within, conn.ping()).await {
+                    Ok(Ok(())) => {
+                        conn.close_on_drop();
+                        drop(conn);
+                    }
+                    _ => terminate(conn, pid, role, host),
+                }
+            });
+            return;
+        }
         // Still in its transaction: never back to the pool. It may also be running a
         // statement (a caller cut off by its own deadline), which a closed socket stops only
         // as soon as the backend checks, on a setting the plugin may have changed: ended.

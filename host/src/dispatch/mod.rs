@@ -305,38 +305,24 @@ impl Dispatcher {
             idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
         let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Release));
-        // Once sent, the commit runs to its end whatever becomes of the request. A client
-        // that went away has hyper drop the request's work: the session's backend was then
-        // ended in the middle of its `COMMIT` (which went through or not), and a commit that
-        // went through was left uncounted and the relay unwoken.
-        let written = (!events.is_empty()).then(|| {
-            let counter = plugin.identity.metrics().events_written.clone();
-            (counter, events.len() as u64, self.signal.clone())
-        });
-        tokio::spawn(
-            async move {
-                tx.commit().await?;
-                if let Some((counter, events, signal)) = written {
-                    counter.increment(events);
-                    signal.notify();
-                }
-                Ok(())
-            }
-            .in_current_span(),
-        )
-        .await
-        .unwrap_or_else(|e| Err(sqlx::Error::Protocol(format!("the commit's task ended: {e}"))))
-        .map_err(|e| match (crate::db::refused_for_content(&e), e.as_database_error()) {
-            // The same every time: the handler's doing (a deferred constraint or trigger),
-            // not a database to retry against.
-            (true, _) => CommandError::Aborted(format!("the commit was refused: {e}")),
-            // Lost to another transaction before the COMMIT: undone, and a retry may pass.
-            (false, Some(_)) if crate::db::lost_a_race(&e) => db_error(e),
-            // No answer from Postgres, or the server or the connection failed in the
-            // commit's round trip (a shutdown, a terminated backend) with no word of
-            // whether the COMMIT completed. The commit may have gone through.
-            (false, _) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
-        })
+        tx.commit()
+            .await
+            .map_err(|e| match (crate::db::refused_for_content(&e), e.as_database_error()) {
+                // The same every time: the handler's doing (a deferred constraint or trigger),
+                // not a database to retry against.
+                (true, _) => CommandError::Aborted(format!("the commit was refused: {e}")),
+                // Lost to another transaction before the COMMIT: undone, and a retry may pass.
+                (false, Some(_)) if crate::db::lost_a_race(&e) => db_error(e),
+                // No answer from Postgres, or the server or the connection failed in the
+                // commit's round trip (a shutdown, a terminated backend) with no word of
+                // whether the COMMIT completed. The commit may have gone through.
+                (false, _) => CommandError::OutcomeUnknown(format!("the commit: {e}")),
+            })?;
+        if !events.is_empty() {
+            plugin.identity.metrics().events_written.increment(events.len() as u64);
+            self.signal.notify();
+        }
+        Ok(())
     }
 }
 
