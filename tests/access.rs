@@ -121,6 +121,13 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
         ("POST", "/v1/outbox/replay", None, 401),
         ("POST", "/v1/outbox/replay", Some(&cmd), 403),
         ("POST", "/v1/outbox/replay", Some(&adm), 422), // a command's body is not a filter
+        ("GET", "/v1/timers", None, 401),
+        ("GET", "/v1/timers", Some(&cmd), 403),
+        ("GET", "/v1/timers", Some(&adm), 200),
+        ("POST", "/v1/timers/cancel", None, 401),
+        ("POST", "/v1/timers/cancel", Some(&cmd), 403),
+        ("POST", "/v1/timers/retry", None, 401),
+        ("POST", "/v1/timers/retry", Some(&cmd), 403),
         ("GET", "/v1/catalog", None, 401),
         ("GET", "/v1/catalog", Some(&cmd), 403),
         ("GET", "/v1/catalog", Some(&adm), 200),
