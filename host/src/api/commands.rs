@@ -87,11 +87,12 @@ async fn handle(
             );
         }
     }
-    let payload = match std::str::from_utf8(&body) {
+    // The body's own buffer becomes the payload, not a copy of it.
+    let payload = match String::from_utf8(Vec::from(body)) {
         Ok(p) => p,
         Err(_) => return error_response(StatusCode::BAD_REQUEST, "invalid_json", "the body is not UTF-8"),
     };
-    if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(payload) {
+    if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&payload) {
         return error_response(
             StatusCode::BAD_REQUEST,
             "invalid_json",
@@ -101,7 +102,7 @@ async fn handle(
     // What Postgres could not hold as `jsonb` (a lone surrogate escape, a number past
     // `numeric`'s range, NUL) is refused here, as it would be if the plugin stored it or
     // emitted it.
-    if let Some(reason) = crate::jsonb::refusal(payload) {
+    if let Some(reason) = crate::jsonb::refusal(&payload) {
         return error_response(
             StatusCode::BAD_REQUEST,
             "invalid_json",
@@ -118,7 +119,7 @@ async fn handle(
     let request = CommandRequest {
         plugin,
         command,
-        payload: payload.to_string(),
+        payload,
         idempotency_key,
         request_id: request_id.to_string(),
         parent_trace,

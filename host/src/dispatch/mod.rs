@@ -124,7 +124,7 @@ impl Dispatcher {
     /// which the events it emitted name as their parent.
     pub async fn run_command_traced(
         &self,
-        req: CommandRequest,
+        mut req: CommandRequest,
     ) -> (Result<CommandResponse, CommandError>, TraceContext) {
         let mut otel = otel::Span::start(
             format!("command {}.{}", req.plugin, req.command),
@@ -141,7 +141,9 @@ impl Dispatcher {
             span_id = %trace.span_id(),
             parent_span_id = %crate::trace::parent_field(req.parent_trace.as_ref()),
         );
-        let result = self.run_command_in_span(&req, &trace).instrument(span).await;
+        // Moved into the call, not copied: a body of up to `http.max_body_bytes` each.
+        let payload = std::mem::take(&mut req.payload);
+        let result = self.run_command_in_span(&req, payload, &trace).instrument(span).await;
         if otel.recording() {
             otel.set("obx.plugin", req.plugin.clone());
             otel.set("obx.command", req.command.clone());
@@ -162,12 +164,13 @@ impl Dispatcher {
     async fn run_command_in_span(
         &self,
         req: &CommandRequest,
+        payload: String,
         trace: &TraceContext,
     ) -> Result<CommandResponse, CommandError> {
         let started = Instant::now();
         let plugin = self.registry.get(&req.plugin);
         let result = match &plugin {
-            Some(plugin) => self.run_command_inner(plugin, req, trace).await,
+            Some(plugin) => self.run_command_inner(plugin, req, payload, trace).await,
             None => Err(CommandError::UnknownPlugin(req.plugin.clone())),
         };
         record_command(plugin.as_deref(), req, &result, started.elapsed());
@@ -185,10 +188,12 @@ impl Dispatcher {
         result
     }
 
+    /// Runs `req`, whose body is `payload` (taken out of it).
     async fn run_command_inner(
         &self,
         plugin: &Plugin,
         req: &CommandRequest,
+        payload: String,
         trace: &TraceContext,
     ) -> Result<CommandResponse, CommandError> {
         if !plugin.manifest.commands.iter().any(|c| c == &req.command) {
@@ -197,14 +202,14 @@ impl Dispatcher {
                 command: req.command.clone(),
             });
         }
-        let (tx, idempotency) = match self.begin_command(&plugin.manifest.name, req).await? {
+        let (tx, idempotency) = match self.begin_command(&plugin.manifest.name, req, &payload).await? {
             Begun::Run(tx, claimed) => (tx, claimed),
             Begun::Replay(answer) => return Ok(answer),
         };
 
         let command = guest::Command {
             name: req.command.clone(),
-            payload: req.payload.clone(),
+            payload,
             request_id: req.request_id.clone(),
         };
         let call = call_span(plugin, "handle-command", trace);
@@ -257,12 +262,22 @@ impl Dispatcher {
     /// Begins a command's transaction on a session of `plugin`; with an `Idempotency-Key`,
     /// claims the key in the same round trip, and replays the answer stored for it if there
     /// is one.
-    async fn begin_command<'r>(&self, plugin: &str, req: &'r CommandRequest) -> Result<Begun<'r>, CommandError> {
+    async fn begin_command<'r>(
+        &self,
+        plugin: &str,
+        req: &'r CommandRequest,
+        payload: &str,
+    ) -> Result<Begun<'r>, CommandError> {
         let Some(key) = &req.idempotency_key else {
             let tx = self.sessions.begin(plugin).await.map_err(db_error)?;
             return Ok(Begun::Run(tx, None));
         };
-        let hash = Sha256::digest(format!("{}\n{}", req.command, req.payload).as_bytes()).to_vec();
+        let hash = Sha256::new()
+            .chain_update(req.command.as_bytes())
+            .chain_update(b"\n")
+            .chain_update(payload.as_bytes())
+            .finalize()
+            .to_vec();
         let claim = idempotency::claim_statements(key, &hash, HANDLER_SAVEPOINT);
         let (tx, rows) = self.sessions.begin_then(plugin, &claim).await.map_err(|e| {
             // The claim waits for a request that holds the key, up to the role's lock
