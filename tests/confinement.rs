@@ -977,6 +977,42 @@ async fn a_plugin_that_changes_its_password_is_given_a_new_one() {
     host.shutdown().await;
 }
 
+/// With two hosts, the one refused second takes the password the first set rather than set
+/// another: each set one in turn, undoing the other's, so that a host whose sessions had to
+/// log in again was refused (its own new password a minute old at most: it sets none then).
+#[tokio::test]
+async fn two_hosts_refused_the_plugins_password_agree_on_the_new_one() {
+    let a = spawn_host(&["testbed"]).await;
+    let b = spawn_host_on(&a.database_url, &["testbed"], |_| {}).await;
+    let role = a.plugin_role("testbed").await;
+    let admin = sqlx::PgPool::connect(&admin_url()).await.unwrap();
+    // Every open session of the plugin ends, so that the host must log in again.
+    let logged_out = || async {
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
+            .bind(&role)
+            .execute(&admin)
+            .await
+            .unwrap();
+    };
+    for (host, id) in [(&a, "a0"), (&b, "b0")] {
+        let ok = host.command("testbed", "ok", json!({ "id": id })).await;
+        assert_eq!(ok.status, 200, "{}", ok.text);
+    }
+    let mut s = a.plugin_session("testbed").await;
+    sqlx::raw_sql("ALTER ROLE CURRENT_USER PASSWORD 'chosen-by-the-author'")
+        .execute(&mut s)
+        .await
+        .unwrap();
+    let _ = s.close().await;
+    for (host, id) in [(&a, "a1"), (&b, "b1"), (&a, "a2"), (&b, "b2")] {
+        logged_out().await;
+        let ok = host.command("testbed", "ok", json!({ "id": id })).await;
+        assert_eq!(ok.status, 200, "{id}: {}", ok.text);
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
 /// A plugin session that holds the host's migration lock (sqlx's advisory lock, whose key
 /// anyone can compute from the database's name) does not keep hosts from starting: the host
 /// ends it, and bounds its wait. Before, `migrate` waited for it with no bound, at every

@@ -38,10 +38,7 @@ impl std::fmt::Debug for Login {
 /// Creates the plugin's login role if needed (with at most `connection_limit` sessions), makes
 /// the host a member of it, and returns its password.
 pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: u32) -> Result<String> {
-    let stored: Option<String> = sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
-        .bind(role)
-        .fetch_optional(&mut *conn)
-        .await?;
+    let stored = stored(conn, role).await?;
     let limit: Option<i32> = sqlx::query_scalar("SELECT rolconnlimit FROM pg_catalog.pg_roles WHERE rolname = $1")
         .bind(role)
         .fetch_optional(&mut *conn)
@@ -67,6 +64,34 @@ pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: 
 }
 
 /// Gives `role` a new random password, and stores it.
+/// The password stored for `role`, if any.
+pub async fn stored(conn: &mut PgConnection, role: &str) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
+        .bind(role)
+        .fetch_optional(conn)
+        .await
+}
+
+/// Sets a new password for `role`, unless the stored one is no longer `known`: another host
+/// set one since, and that one is returned. The stored row is locked meanwhile, so that
+/// hosts refused at once take turns: each set one in turn, undoing the one before, and the
+/// hosts went on setting new ones, a minute apart each, for as long as they ran.
+pub async fn renew(conn: &mut PgConnection, role: &str, known: &str) -> Result<String> {
+    use sqlx::Connection;
+    let mut tx = conn.begin().await?;
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1 FOR UPDATE")
+            .bind(role)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some(stored) = stored.filter(|s| s != known) {
+        return Ok(stored);
+    }
+    let password = rotate(&mut tx, role).await?;
+    tx.commit().await?;
+    Ok(password)
+}
+
 pub async fn rotate(conn: &mut PgConnection, role: &str) -> Result<String> {
     let password = random_password();
     let verifier = super::scram::verifier(&password);

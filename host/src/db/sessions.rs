@@ -181,13 +181,24 @@ impl Sessions {
         }
     }
 
-    /// Sets a new password for plugin `name`'s role, unless one was set less than a minute
-    /// ago: then the caller tries again with that one (two calls that met the refusal at
-    /// once, such as a command and a consumer, must not both fail), and a plugin that keeps
-    /// changing its password cannot make the host keep resetting it.
+    /// Sets a new password for plugin `name`'s role, unless another host of the service set
+    /// one since (that one is taken) or this host set one less than a minute ago: then the
+    /// caller tries again with that one (two calls that met the refusal at once, such as a
+    /// command and a consumer, must not both fail), and a plugin that keeps changing its
+    /// password cannot make the host keep resetting it.
     async fn rotate(&self, name: &str) -> Result<(), SessionError> {
         let _one_at_a_time = self.rotating.lock().await;
         let mut login = self.login(name)?;
+        let mut conn = self.host.acquire().await?;
+        // Another host of the service may have set one since: that one is taken.
+        if let Some(stored) = super::login::stored(&mut conn, &login.role)
+            .await?
+            .filter(|s| *s != login.password)
+        {
+            login.password = stored;
+            self.register(name, login);
+            return Ok(());
+        }
         {
             let mut rotated = self.rotated.lock().unwrap_or_else(|e| e.into_inner());
             if rotated.get(name).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
@@ -196,8 +207,7 @@ impl Sessions {
             rotated.insert(name.to_string(), std::time::Instant::now());
         }
         tracing::warn!(plugin = name, role = %login.role, "the plugin's role refused its password; setting a new one");
-        let mut conn = self.host.acquire().await?;
-        login.password = super::login::rotate(&mut conn, &login.role)
+        login.password = super::login::renew(&mut conn, &login.role, &login.password)
             .await
             .map_err(|e| SessionError::Rotate(format!("{e:#}")))?;
         self.register(name, login);
