@@ -658,15 +658,15 @@ fn slow_commit(id: &str, seconds: f64) -> serde_json::Value {
 }
 
 /// A client that goes away while its command commits does not undo the commit: once the
-/// `COMMIT` is sent, it runs to its end (here plugin code holds it 2 s, and the client closes
-/// its connection 1 s in). hyper drops the request's work when its client goes; that ended
-/// the session's backend in the middle of the `COMMIT`, which rolled the command back.
+/// `COMMIT` is sent, it runs to its end (here plugin code holds it 3 s, and the client closes
+/// its connection once it runs). hyper drops the request's work when its client goes; that
+/// ended the session's backend in the middle of the `COMMIT`, which rolled the command back.
 #[tokio::test]
 async fn a_command_whose_client_goes_away_during_its_commit_commits() {
     use tokio::io::AsyncWriteExt;
     let host = spawn_host_with(&["testbed"], |c| c.limits.statement_timeout = Duration::from_secs(10)).await;
     make_slow_commit(&host).await;
-    let body = slow_commit("gone", 2.0).to_string();
+    let body = slow_commit("gone", 3.0).to_string();
     let mut peer = tokio::net::TcpStream::connect(host.host.addr).await.unwrap();
     let request = format!(
         "POST /v1/commands/testbed/sql HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
@@ -674,7 +674,16 @@ async fn a_command_whose_client_goes_away_during_its_commit_commits() {
         body.len()
     );
     peer.write_all(request.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The commit's deferred trigger sleeps: the `COMMIT` was sent.
+    let role = host.plugin_role("testbed").await;
+    eventually(Duration::from_secs(10), "the commit runs", || async {
+        host.count(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}' AND wait_event = 'PgSleep'"
+        ))
+        .await
+            == 1
+    })
+    .await;
     drop(peer);
     eventually(Duration::from_secs(10), "the command committed", || async {
         host.count("SELECT count(*) FROM testbed.slow_commit WHERE id = 'gone'")

@@ -887,7 +887,8 @@ async fn an_inbox_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
 async fn a_commit_cut_off_parks_its_event(logical: &str) {
     let broker = broker();
     let (first, topic) = not_consuming(&broker, logical).await;
-    first.make_deferred_sleep(8.0).await;
+    // Far past the cut (6 s), however slowly the backend is ended on a loaded machine.
+    first.make_deferred_sleep(30.0).await;
     let p = producer(&broker.bootstrap);
     let mut a = Vec::new();
     let mut b = Vec::new();

@@ -63,7 +63,6 @@ pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: 
     Ok(password)
 }
 
-/// Gives `role` a new random password, and stores it.
 /// The password stored for `role`, if any.
 pub async fn stored(conn: &mut PgConnection, role: &str) -> sqlx::Result<Option<String>> {
     sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
@@ -92,6 +91,7 @@ pub async fn renew(conn: &mut PgConnection, role: &str, known: &str) -> Result<S
     Ok(password)
 }
 
+/// Gives `role` a new random password, and stores it.
 pub async fn rotate(conn: &mut PgConnection, role: &str) -> Result<String> {
     let password = random_password();
     let verifier = super::scram::verifier(&password);

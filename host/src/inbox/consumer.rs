@@ -734,6 +734,9 @@ impl Lane {
                     } => match self.dispatcher.commit_events(tx, &emitted).await {
                         Ok(()) => Ok(Step::Done),
                         Err(e) => match handling::refused_commit(&e) {
+                            Some(_) if crate::db::sessions::commit_cut(&e) && self.recorded(event).await? => {
+                                Ok(Step::Done)
+                            }
                             Some(failure) => Ok(Step::Failed(failure)),
                             None => Err(e.into()),
                         },
@@ -780,6 +783,18 @@ impl Lane {
                 }
             }
         }
+    }
+
+    /// Whether `event` is recorded as processed. A commit the host cut off may have gone
+    /// through all the same (a database that stalled past the bound after writing its commit
+    /// record): the event is then done, and parked on its last attempt it would have been
+    /// both processed and a dead letter.
+    async fn recorded(&self, event: &Incoming) -> sqlx::Result<bool> {
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM obx.processed_event WHERE consumer = $1 AND event_id = $2)")
+            .bind(&self.plugin)
+            .bind(event.event_id)
+            .fetch_one(&self.dispatcher.pool)
+            .await
     }
 
     /// After attempt `attempt` of an event failed: parks it if that was the last attempt or

@@ -96,9 +96,10 @@ pub(crate) struct Failure {
 /// deferred trigger raised there, an event id emitted twice; or plugin code at the commit
 /// that ran past its bound, so that the host cut the commit off
 /// ([`crate::db::sessions::commit_cut`]). Such a commit ends the same way every time, so it
-/// counts as a failed attempt of the event it carried, and the event is parked in the end
-/// (a cut commit that went through all the same is found done at the next attempt); any
-/// other error is the database's.
+/// counts as a failed attempt of the event it carried, and the event is parked in the end;
+/// a cut commit that went through all the same is found done (dedup: its `processed_event`
+/// row, read at once and at the next attempt; inbox: the attempt is dropped for a processed
+/// row). Any other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     if crate::db::sessions::commit_cut(e) {
         return Some(Failure {

@@ -619,8 +619,10 @@ impl Relay {
             {
                 continue;
             }
-            if earlier.contains(&(row.topic.clone(), row.partition_key.clone())) {
+            if !earlier.is_empty() && earlier.contains(&(row.topic.clone(), row.partition_key.clone())) {
                 blocked.insert((row.topic.as_str(), row.partition_key.as_str()));
+                // Answered later in this step, that row lets it go in the next one at once.
+                held_back = true;
                 continue;
             }
             if solo.is_some_and(|id| waiting || id != row.id) {
