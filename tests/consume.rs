@@ -581,6 +581,28 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
     host.shutdown().await;
 }
 
+/// Events A1-A6 and B1-B6, interleaved; A4 carries `defer_violation` (what its handler leaves
+/// for its commit), the others nothing. Their ids, A's and B's.
+async fn a_and_b(
+    broker: &TestBroker,
+    topic: &str,
+    defer_violation: serde_json::Value,
+) -> (Vec<uuid::Uuid>, Vec<uuid::Uuid>) {
+    let p = producer(&broker.bootstrap);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for seq in 1..=6 {
+        let defer = if seq == 4 {
+            defer_violation.clone()
+        } else {
+            json!(false)
+        };
+        let payload = json!({ "seq": seq, "defer_violation": defer });
+        a.push(send_event(&p, topic, "A", "Thing", &payload).await);
+        b.push(send_event(&p, topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
+    }
+    (a, b)
+}
+
 /// Waits until every event of key B and A1-A3 took effect once and one event is parked, then
 /// checks that A5 and A6 wait behind the parked A4, in the inbox.
 async fn a4_parked_while_b_flows(host: &TestHost, a: &[uuid::Uuid], b: &[uuid::Uuid]) {
@@ -715,19 +737,7 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     if defer_violation == "raise" {
         first.make_deferred_raise().await;
     }
-    let p = producer(&broker.bootstrap);
-    let mut a = Vec::new();
-    let mut b = Vec::new();
-    for seq in 1..=6 {
-        let defer = if seq == 4 {
-            defer_violation.clone()
-        } else {
-            json!(false)
-        };
-        let payload = json!({ "seq": seq, "defer_violation": defer });
-        a.push(send_event(&p, &topic, "A", "Thing", &payload).await);
-        b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
-    }
+    let (a, b) = a_and_b(&broker, &topic, defer_violation).await;
     let host = next_host(&broker, first, |c| {
         c.consumer.lanes = 1;
         c.consumer.max_attempts = 2;
@@ -889,15 +899,7 @@ async fn a_commit_cut_off_parks_its_event(logical: &str) {
     let (first, topic) = not_consuming(&broker, logical).await;
     // Far past the cut (6 s), however slowly the backend is ended on a loaded machine.
     first.make_deferred_sleep(30.0).await;
-    let p = producer(&broker.bootstrap);
-    let mut a = Vec::new();
-    let mut b = Vec::new();
-    for seq in 1..=6 {
-        let defer = if seq == 4 { json!("raise") } else { json!(false) };
-        let payload = json!({ "seq": seq, "defer_violation": defer });
-        a.push(send_event(&p, &topic, "A", "Thing", &payload).await);
-        b.push(send_event(&p, &topic, "B", "Thing", &json!({ "seq": 100 + seq })).await);
-    }
+    let (a, b) = a_and_b(&broker, &topic, json!("raise")).await;
     let host = next_host(&broker, first, |c| {
         c.consumer.lanes = 1;
         c.consumer.max_attempts = 2;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use obx_tests::{
     broker, consume, eventually, metric_value, murmur2_partition, run_kafkajs, spawn_host, spawn_host_with,
-    test_config, Received, TestHost,
+    test_config, Received, TestBroker, TestHost,
 };
 use serde_json::json;
 
@@ -833,6 +833,35 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     host.shutdown().await;
 }
 
+/// A host whose relay lingers 100 ms, so that each command's rows of a key go in one produce
+/// batch, however slow the machine.
+async fn batching_host(broker: &TestBroker) -> TestHost {
+    spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.linger_ms = 100;
+    })
+    .await
+}
+
+/// One testbed command that emits a row to topic `t` for each of `keys`, in order.
+async fn emit_keys(host: &TestHost, t: &str, keys: &[&str]) {
+    let a = host
+        .command("testbed", "emit", json!({ "id": keys[0], "topic": t, "keys": keys }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+}
+
+/// The rows set aside: key, the row's place in its command (`i`), attempts.
+async fn set_aside_rows(host: &TestHost) -> Vec<(String, String, i32)> {
+    sqlx::query_as(
+        "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
+         JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
+    )
+    .fetch_all(&host.db)
+    .await
+    .unwrap()
+}
+
 /// A broker refuses a whole produce batch for one row too large (or one bad record), and
 /// librdkafka fails every row of the batch with that error. Such rows go again one at a
 /// time, in order, and only a row the broker refuses alone is set aside. Before, every row of
@@ -844,23 +873,10 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
         eprintln!("skipped: needs the mock cluster to refuse produce requests");
         return;
     };
-    let host = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        // Each command's rows of a key in one produce batch, however slow the machine.
-        c.relay.linger_ms = 100;
-    })
-    .await;
+    let host = batching_host(&broker).await;
     let t = topic("beta");
     // The rows of one command: a key's rows are in one partition, so in one produce batch.
-    let emit = |keys: &'static [&'static str]| {
-        let (host, t) = (&host, t.clone());
-        async move {
-            let a = host
-                .command("testbed", "emit", json!({ "id": keys[0], "topic": t, "keys": keys }))
-                .await;
-            assert_eq!(a.status, 200, "{}", a.text);
-        }
-    };
+    let emit = |keys: &'static [&'static str]| emit_keys(&host, &t, keys);
     let set_aside = || async {
         host.count("SELECT count(*) FROM obx.outbox_delivery_failure WHERE set_aside")
             .await
@@ -881,13 +897,7 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
     mock.fail_requests(produce, too_large, 2);
     emit(&["b", "b", "b"]).await;
     all_published(&host, 9).await;
-    let aside: Vec<(String, String, i32)> = sqlx::query_as(
-        "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
-         JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
-    )
-    .fetch_all(&host.db)
-    .await
-    .unwrap();
+    let aside = set_aside_rows(&host).await;
     assert_eq!(aside, vec![("b".to_string(), "0".to_string(), 2)]);
 
     // On the broker, each key's rows in their order, the one set aside missing.
@@ -922,22 +932,9 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
         eprintln!("skipped: needs the mock cluster to refuse produce requests");
         return;
     };
-    let host = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        // The command's rows in one produce batch, however slow the machine.
-        c.relay.linger_ms = 100;
-    })
-    .await;
+    let host = batching_host(&broker).await;
     let t = topic("beta");
-    let emit = |keys: &'static [&'static str]| {
-        let (host, t) = (&host, t.clone());
-        async move {
-            let a = host
-                .command("testbed", "emit", json!({ "id": keys[0], "topic": t, "keys": keys }))
-                .await;
-            assert_eq!(a.status, 200, "{}", a.text);
-        }
-    };
+    let emit = |keys: &'static [&'static str]| emit_keys(&host, &t, keys);
     emit(&["warm"]).await;
     all_published(&host, 1).await;
     // The batch is refused, and then its first row alone.
@@ -948,13 +945,7 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
     );
     emit(&["t", "t", "t"]).await;
     all_published(&host, 3).await;
-    let aside: Vec<(String, String, i32)> = sqlx::query_as(
-        "SELECT o.partition_key, o.payload->>'i', f.attempts FROM obx.outbox_delivery_failure f \
-         JOIN obx.outbox_event o ON o.id = f.outbox_id WHERE f.set_aside",
-    )
-    .fetch_all(&host.db)
-    .await
-    .unwrap();
+    let aside = set_aside_rows(&host).await;
     assert_eq!(aside, vec![("t".to_string(), "0".to_string(), 2)]);
     host.shutdown().await;
 }
