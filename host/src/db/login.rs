@@ -71,11 +71,21 @@ pub async fn stored(conn: &mut PgConnection, role: &str) -> sqlx::Result<Option<
         .await
 }
 
-/// Sets a new password for `role`, unless the stored one is no longer `known`: another host
-/// set one since, and that one is returned. The stored row is locked meanwhile, so that
+/// What [`renew`] came to.
+pub enum Renewed {
+    /// Another host set this one since the caller's `known`.
+    Taken(String),
+    /// This one was set now.
+    Set(String),
+    /// The stored one is still the caller's, and it could not set another.
+    Kept,
+}
+
+/// Takes the stored password of `role` if it is no longer `known` (another host set one
+/// since), or else sets a new one if `may_set`. The stored row is locked meanwhile, so that
 /// hosts refused at once take turns: each set one in turn, undoing the one before, and the
 /// hosts went on setting new ones, a minute apart each, for as long as they ran.
-pub async fn renew(conn: &mut PgConnection, role: &str, known: &str) -> Result<String> {
+pub async fn renew(conn: &mut PgConnection, role: &str, known: &str, may_set: bool) -> Result<Renewed> {
     use sqlx::Connection;
     let mut tx = conn.begin().await?;
     let stored: Option<String> =
@@ -84,11 +94,14 @@ pub async fn renew(conn: &mut PgConnection, role: &str, known: &str) -> Result<S
             .fetch_optional(&mut *tx)
             .await?;
     if let Some(stored) = stored.filter(|s| s != known) {
-        return Ok(stored);
+        return Ok(Renewed::Taken(stored));
+    }
+    if !may_set {
+        return Ok(Renewed::Kept);
     }
     let password = rotate(&mut tx, role).await?;
     tx.commit().await?;
-    Ok(password)
+    Ok(Renewed::Set(password))
 }
 
 /// Gives `role` a new random password, and stores it.

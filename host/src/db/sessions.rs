@@ -187,29 +187,28 @@ impl Sessions {
     /// command and a consumer, must not both fail), and a plugin that keeps changing its
     /// password cannot make the host keep resetting it.
     async fn rotate(&self, name: &str) -> Result<(), SessionError> {
+        use super::login::Renewed;
         let _one_at_a_time = self.rotating.lock().await;
         let mut login = self.login(name)?;
+        let recently = {
+            let rotated = self.rotated.lock().unwrap_or_else(|e| e.into_inner());
+            rotated.get(name).is_some_and(|t| t.elapsed() < Duration::from_secs(60))
+        };
         let mut conn = self.host.acquire().await?;
-        // Another host of the service may have set one since: that one is taken.
-        if let Some(stored) = super::login::stored(&mut conn, &login.role)
-            .await?
-            .filter(|s| *s != login.password)
-        {
-            login.password = stored;
-            self.register(name, login);
-            return Ok(());
-        }
-        {
+        let renewed = super::login::renew(&mut conn, &login.role, &login.password, !recently).await;
+        if !recently && !matches!(renewed, Ok(Renewed::Taken(_))) {
+            // This host tried to set one (and may have failed): not again within the minute.
             let mut rotated = self.rotated.lock().unwrap_or_else(|e| e.into_inner());
-            if rotated.get(name).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
-                return Ok(());
-            }
             rotated.insert(name.to_string(), std::time::Instant::now());
         }
-        tracing::warn!(plugin = name, role = %login.role, "the plugin's role refused its password; setting a new one");
-        login.password = super::login::renew(&mut conn, &login.role, &login.password)
-            .await
-            .map_err(|e| SessionError::Rotate(format!("{e:#}")))?;
+        login.password = match renewed.map_err(|e| SessionError::Rotate(format!("{e:#}")))? {
+            Renewed::Kept => return Ok(()),
+            Renewed::Taken(password) => password,
+            Renewed::Set(password) => {
+                tracing::warn!(plugin = name, role = %login.role, "the plugin's role refused its password; a new one is set");
+                password
+            }
+        };
         self.register(name, login);
         Ok(())
     }
