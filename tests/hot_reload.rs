@@ -312,6 +312,50 @@ async fn a_describe_that_sleeps_fails_at_the_deadline_and_the_watcher_goes_on() 
     host.shutdown().await;
 }
 
+/// A load that waits does not hold back another plugin's file: here hotswap's load waits for
+/// its registry row, which another host holds while it runs hotswap's migrations (for up to
+/// 15 minutes). The watcher loads files side by side, so orders is served meanwhile. Before,
+/// orders waited for hotswap's load to end, here at its 30 s lock timeout.
+#[tokio::test]
+async fn a_load_that_waits_does_not_hold_back_another_plugins_file() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "hotswap.wasm");
+    serving(&host, "1.0.0").await;
+    let mut other_host = host.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM obx.plugin WHERE name = 'hotswap' FOR UPDATE")
+        .execute(&mut *other_host)
+        .await
+        .unwrap();
+    deploy(&host, "hotswap_v2", "hotswap.wasm");
+    eventually(
+        Duration::from_secs(20),
+        "hotswap's load waiting for its row",
+        || async { host.lock_waits().await > 0 },
+    )
+    .await;
+
+    deploy(&host, "orders", "orders.wasm");
+    eventually(
+        Duration::from_secs(10),
+        "orders served while hotswap's load waits",
+        || async { status(&host, "orders.wasm").await["state"] == "active" },
+    )
+    .await;
+    assert_eq!(
+        version(&host).await.as_deref(),
+        Some("1.0.0"),
+        "hotswap's load still waits"
+    );
+    let a = host
+        .command("orders", "CreateOrder", json!({ "customerId": "c-1", "amount": 5 }))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+
+    other_host.rollback().await.unwrap();
+    serving(&host, "2.0.0").await;
+    host.shutdown().await;
+}
+
 /// A file far over `limits.max_component_bytes` (here a sparse file of 4 GiB) is refused as
 /// too large without being read: it was read whole first, into the host's memory.
 #[tokio::test]
@@ -641,5 +685,37 @@ async fn a_file_refused_for_a_plugin_another_provides_loads_when_that_one_goes()
         version(&host).await.as_deref() == Some("2.0.0")
     })
     .await;
+    host.shutdown().await;
+}
+
+/// Two files of one plugin dropped at once are loaded side by side, and take their turns in
+/// the registry: one serves, the other is refused as provided by the first, and only the
+/// migrations of the one that serves ran.
+#[tokio::test]
+async fn two_files_of_one_plugin_dropped_at_once_take_turns() {
+    let host = watched_host().await;
+    deploy(&host, "hotswap", "a.wasm");
+    deploy(&host, "hotswap_v2", "b.wasm");
+    let refused = |s: &Value| {
+        s["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already provided by"))
+    };
+    eventually(
+        Duration::from_secs(20),
+        "one file serving, the other refused",
+        || async {
+            let (a, b) = (status(&host, "a.wasm").await, status(&host, "b.wasm").await);
+            (a["state"] == "active" && refused(&b)) || (b["state"] == "active" && refused(&a))
+        },
+    )
+    .await;
+    let serving = version(&host).await.expect("hotswap serves");
+    let a_serves = status(&host, "a.wasm").await["state"] == "active";
+    assert_eq!(serving, if a_serves { "1.0.0" } else { "2.0.0" });
+    let migrations = host
+        .count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'hotswap'")
+        .await;
+    assert_eq!(migrations, if a_serves { 1 } else { 2 }, "serving {serving}");
     host.shutdown().await;
 }

@@ -76,8 +76,9 @@ async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Resul
         metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
         return Ok((component, true));
     }
-    // Loads run one after another (at start, and in the watcher): a load waits only a little
-    // for a slot, so that files behind it are not held up for long by overdue compiles.
+    // Loads run one after another at start, and a few at once in the watcher: a load waits
+    // only a little for a slot, so that files behind it are not held up for long by overdue
+    // compiles.
     let wait = timeout.min(SLOT_WAIT);
     let Some(slot) = runtime.compile_slot(wait).await else {
         let (waited, slots) = (wait, runtime.compile_slots());

@@ -28,6 +28,10 @@ pub struct Registry {
     files: Mutex<HashMap<PathBuf, FileState>>,
     /// Notified whenever the set of active plugins changes (consumers follow it).
     changed: Signal,
+    /// One turn per plugin name: loads of one plugin, from any file, check that no other
+    /// file provides it, migrate and activate one after another (the watcher loads files
+    /// side by side). An entry stays for each name this host has loaded.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 #[derive(Clone, Default)]
@@ -122,7 +126,17 @@ impl Registry {
             active: Default::default(),
             files: Default::default(),
             changed: Default::default(),
+            turns: Default::default(),
         }
+    }
+
+    /// Waits for plugin `name`'s turn to be loaded.
+    async fn turn(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let turn = {
+            let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+            turns.entry(name.to_string()).or_default().clone()
+        };
+        turn.lock_owned().await
     }
 
     /// The active version of plugin `name`.
@@ -183,6 +197,9 @@ impl Registry {
 
     /// Loads one component file: compile, validate, migrate, activate. On failure the
     /// previous version (if any) keeps serving and the error is recorded for the file.
+    /// Files load side by side; one file's loads must not overlap (the watcher's are one at a
+    /// time per file), and loads of one plugin from different files take turns from the
+    /// compiled component on.
     pub async fn load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
         let started = std::time::Instant::now();
         // Taken before the file is read: a change while it is read is seen by the next rescan.
@@ -241,6 +258,7 @@ impl Registry {
             message: e.to_string(),
         })?;
         let name = plugin.manifest.name.clone();
+        let _turn = self.turn(&name).await;
         // Another file provides this plugin: refuse, unless that file is gone (a rename).
         if let Some(other) = self
             .file_providing(&name)

@@ -16,6 +16,11 @@
 //! gone are queued as if an event had named them. The directory is watched anew at each
 //! rescan (a directory made again may even get the old one's inode number, so the watcher
 //! cannot tell), and the comparison that follows covers the moment between.
+//!
+//! Files are loaded side by side, [`LOADS_AT_ONCE`] at most and one at a time per file: a
+//! load can take minutes (a long migration, or another host's that it waits for), and the
+//! other plugins' files do not wait for it. Loads of one plugin from two files take turns in
+//! the registry ([`Registry::load_file`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -51,6 +56,10 @@ pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
     files.sort();
     Ok(files)
 }
+
+/// How many files are loaded at once. Each load compiles its component (memory and a CPU),
+/// so a directory of changed files is not compiled all at once.
+pub const LOADS_AT_ONCE: usize = 4;
 
 /// What the watcher hears from notify.
 enum Seen {
@@ -102,41 +111,104 @@ pub fn spawn(
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Files with recent events, and when they become due.
         let mut pending: HashMap<PathBuf, Instant> = HashMap::new();
+        let mut loads = Loads::default();
         loop {
-            let next_due = pending.values().min().copied();
+            let next_due = loads.next_due(&pending);
             tokio::select! {
                 seen = rx.recv() => match seen {
                     Some(Seen::File(path)) if is_component_name(&path) => {
                         pending.insert(path, Instant::now() + debounce);
                     }
                     Some(Seen::File(_)) => {}
-                    Some(Seen::Rescan) => watched.queue_stale(&registry, &mut pending, debounce),
+                    Some(Seen::Rescan) => watched.queue_stale(&registry, &loads, &mut pending, debounce),
                     None => return,
                 },
                 _ = rescan.tick() => {
                     watched.watch_again();
-                    watched.queue_stale(&registry, &mut pending, debounce);
+                    watched.queue_stale(&registry, &loads, &mut pending, debounce);
                 }
                 _ = sleep_until(next_due) => {
-                    let now = Instant::now();
-                    let due: Vec<PathBuf> = pending.iter().filter(|(_, t)| **t <= now).map(|(p, _)| p.clone()).collect();
-                    for path in due {
-                        pending.remove(&path);
-                        // A load can take minutes (a migration): shutdown does not wait for it.
-                        let unloaded = tokio::select! {
-                            unloaded = settle(&path, &runtime, &pool, &registry) => unloaded,
-                            _ = shutdown.changed() => return,
-                        };
-                        if unloaded {
-                            // A file refused for the plugin this one provided may load now.
-                            watched.queue_stale(&registry, &mut pending, debounce);
-                        }
+                    for path in loads.take_due(&mut pending) {
+                        let (runtime, pool, registry) = (runtime.clone(), pool.clone(), registry.clone());
+                        loads.start(path.clone(), async move { settle(&path, &runtime, &pool, &registry).await });
                     }
                 }
+                Some(unloaded) = loads.next_done() => {
+                    if unloaded {
+                        // A file refused for the plugin this one provided may load now.
+                        watched.queue_stale(&registry, &loads, &mut pending, debounce);
+                    }
+                }
+                // Loads in progress are dropped: a load can take minutes (a migration).
                 _ = shutdown.changed() => return,
             }
         }
     }))
+}
+
+/// The loads in progress, one per file, at most [`LOADS_AT_ONCE`].
+#[derive(Default)]
+struct Loads {
+    running: tokio::task::JoinSet<bool>,
+    files: HashMap<tokio::task::Id, PathBuf>,
+}
+
+impl Loads {
+    fn busy(&self, path: &Path) -> bool {
+        self.files.values().any(|p| p == path)
+    }
+
+    /// When the next pending file that may start now becomes due; none while the loads
+    /// are at their limit.
+    fn next_due(&self, pending: &HashMap<PathBuf, Instant>) -> Option<Instant> {
+        if self.files.len() >= LOADS_AT_ONCE {
+            return None;
+        }
+        pending.iter().filter(|(p, _)| !self.busy(p)).map(|(_, t)| *t).min()
+    }
+
+    /// The due files that may start now, taken out of `pending`: not one being loaded, and
+    /// no more than the limit leaves room for.
+    fn take_due(&self, pending: &mut HashMap<PathBuf, Instant>) -> Vec<PathBuf> {
+        let now = Instant::now();
+        let room = LOADS_AT_ONCE.saturating_sub(self.files.len());
+        let due: Vec<PathBuf> = pending
+            .iter()
+            .filter(|(p, t)| **t <= now && !self.busy(p))
+            .map(|(p, _)| p.clone())
+            .take(room)
+            .collect();
+        for path in &due {
+            pending.remove(path);
+        }
+        due
+    }
+
+    fn start(&mut self, path: PathBuf, load: impl std::future::Future<Output = bool> + Send + 'static) {
+        let id = self.running.spawn(load).id();
+        self.files.insert(id, path);
+    }
+
+    /// Waits for a load to end, and returns whether it unloaded a plugin. Pending for ever
+    /// when none is running.
+    async fn next_done(&mut self) -> Option<bool> {
+        if self.running.is_empty() {
+            return std::future::pending().await;
+        }
+        let done = self.running.join_next_with_id().await?;
+        match done {
+            Ok((id, unloaded)) => {
+                self.files.remove(&id);
+                Some(unloaded)
+            }
+            Err(e) => {
+                // The next rescan finds the file behind, and queues it again.
+                let file = self.files.remove(&e.id());
+                tracing::error!(file = ?file, error = %e, "a plugin load ended without an answer");
+                Some(false)
+            }
+        }
+    }
 }
 
 /// The watched directory and its watch.
@@ -157,7 +229,16 @@ impl Watched {
 
     /// Queues every file the registry is behind on: a component file not loaded as it is
     /// now, or whose last load may succeed if tried again, and a file it knows that is gone.
-    fn queue_stale(&self, registry: &Registry, pending: &mut HashMap<PathBuf, Instant>, debounce: Duration) {
+    /// Not a file being loaded: the registry is behind on it until its load ends, and the
+    /// next rescan looks again (queued, a file refused for good was tried again at once, and
+    /// its refusal overwritten by a retryable one).
+    fn queue_stale(
+        &self,
+        registry: &Registry,
+        loads: &Loads,
+        pending: &mut HashMap<PathBuf, Instant>,
+        debounce: Duration,
+    ) {
         let files = match component_files(&self.dir) {
             Ok(files) => files,
             Err(e) => {
@@ -167,7 +248,8 @@ impl Watched {
         };
         let due = Instant::now() + debounce;
         let gone = registry.files().into_iter().filter(|known| !files.contains(known));
-        for path in files.iter().filter(|f| registry.needs_load(f)).cloned().chain(gone) {
+        let stale = files.iter().filter(|f| registry.needs_load(f)).cloned().chain(gone);
+        for path in stale.filter(|p| !loads.busy(p)) {
             tracing::debug!(file = %path.display(), "queued by a rescan of the plugin directory");
             pending.entry(path).or_insert(due);
         }
