@@ -92,6 +92,8 @@ impl Fingerprint {
 struct LoadError {
     message: String,
     may_pass: bool,
+    /// Refused because this other file provides the same plugin.
+    provided_by: Option<(PathBuf, String)>,
 }
 
 impl LoadError {
@@ -99,6 +101,14 @@ impl LoadError {
         LoadError {
             message: message.into(),
             may_pass: false,
+            provided_by: None,
+        }
+    }
+
+    fn may_pass(message: impl Into<String>, may_pass: bool) -> LoadError {
+        LoadError {
+            may_pass,
+            ..LoadError::fixed(message)
         }
     }
 }
@@ -177,18 +187,18 @@ impl Registry {
     /// Forgets a file that is gone, and unloads the plugin it provided. Calls in flight keep
     /// the version they started with.
     pub fn unload_file(&self, path: &Path) -> Option<String> {
-        let removed = {
-            let mut files = self.lock_files();
-            let removed = files.remove(path)?;
-            retry_refused_for_another(&mut files);
-            removed
-        };
+        // The file map stays locked until the active map has changed too: a load of the
+        // same plugin from another file (a rename) activates before or after, not between.
+        let mut files = self.lock_files();
+        let removed = files.remove(path)?;
+        retry_refused_for_another(&mut files);
         let name = removed.plugin?;
         self.active.rcu(|active| {
             let mut next = HashMap::clone(active);
             next.remove(&name);
             next
         });
+        drop(files);
         tracing::info!(file = %path.display(), plugin = %name, "plugin unloaded");
         metrics::counter!("obx_plugin_unloads_total", "plugin" => name.clone()).increment(1);
         self.changed.notify();
@@ -218,11 +228,17 @@ impl Registry {
                 tracing::error!(file = %path.display(), error = %e.message, may_pass = e.may_pass, "plugin not loaded");
                 metrics::counter!("obx_plugin_load_failures_total").increment(1);
                 let mut files = self.lock_files();
+                // Refused for a file that has since been unloaded (its unload could not mark
+                // this refusal for a retry, as it was not recorded yet): tried again.
+                let provider_gone = e.provided_by.as_ref().is_some_and(|(other, name)| {
+                    files.get(other).and_then(|s| s.plugin.as_deref()) != Some(name.as_str())
+                });
                 let state = files.entry(path.to_path_buf()).or_default();
                 state.last_error = Some(e.message.clone());
                 state.failed_at = Some(Utc::now());
                 state.seen = seen;
-                state.retry = e.may_pass;
+                state.retry = e.may_pass || provider_gone;
+                state.provided_by = e.provided_by.filter(|_| !provider_gone).map(|(other, _)| other);
                 Err(e.message)
             }
         }
@@ -239,10 +255,7 @@ impl Registry {
         // next rescan; it left the plugin unloaded until its file changed.
         let bytes = loader::read_component(path, runtime.limits().max_component_bytes)
             .await
-            .map_err(|e| LoadError {
-                message: e.message,
-                may_pass: e.may_pass,
-            })?;
+            .map_err(|e| LoadError::may_pass(e.message, e.may_pass))?;
         // The same bytes as the version this file already serves: nothing to do.
         if let Some(current) = self.active_from(path) {
             if current.sha256 == hex::encode(sha2::Sha256::digest(&bytes)) {
@@ -253,10 +266,9 @@ impl Registry {
                 return Ok(current);
             }
         }
-        let plugin = loader::load(runtime, bytes).await.map_err(|e| LoadError {
-            may_pass: e.may_pass(),
-            message: e.to_string(),
-        })?;
+        let plugin = loader::load(runtime, bytes)
+            .await
+            .map_err(|e| LoadError::may_pass(e.to_string(), e.may_pass()))?;
         let name = plugin.manifest.name.clone();
         let _turn = self.turn(&name).await;
         // Another file provides this plugin: refuse, unless that file is gone (a rename).
@@ -264,18 +276,14 @@ impl Registry {
             .file_providing(&name)
             .filter(|other| other != path && other.exists())
         {
-            self.lock_files().entry(path.to_path_buf()).or_default().provided_by = Some(other.clone());
-            return Err(LoadError::fixed(format!(
-                "plugin {name:?} is already provided by {}",
-                other.display()
-            )));
+            return Err(LoadError {
+                provided_by: Some((other.clone(), name.clone())),
+                ..LoadError::fixed(format!("plugin {name:?} is already provided by {}", other.display()))
+            });
         }
         plugin_schema::prepare(pool, &self.sessions, &plugin.manifest, runtime.limits())
             .await
-            .map_err(|e| LoadError {
-                may_pass: e.may_pass,
-                message: e.to_string(),
-            })?;
+            .map_err(|e| LoadError::may_pass(e.to_string(), e.may_pass))?;
         let plugin = Arc::new(plugin);
         self.activate(path, plugin.clone(), seen);
         Ok(plugin)
@@ -328,6 +336,7 @@ impl Registry {
             next.insert(name.clone(), plugin.clone());
             next
         });
+        drop(files);
         metrics::counter!("obx_plugin_loads_total", "plugin" => name).increment(1);
         self.changed.notify();
     }

@@ -17,10 +17,11 @@
 //! rescan (a directory made again may even get the old one's inode number, so the watcher
 //! cannot tell), and the comparison that follows covers the moment between.
 //!
-//! Files are loaded side by side, [`LOADS_AT_ONCE`] at most and one at a time per file: a
-//! load can take minutes (a long migration, or another host's that it waits for), and the
-//! other plugins' files do not wait for it. Loads of one plugin from two files take turns in
-//! the registry ([`Registry::load_file`]).
+//! Files are loaded side by side, as many at once as the runtime has compile slots
+//! (`limits.max_concurrent_compiles`) and one at a time per file: a load can take minutes (a
+//! long migration, or another host's that it waits for), and the other plugins' files do not
+//! wait for it. Loads of one plugin from two files take turns in the registry
+//! ([`Registry::load_file`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -56,10 +57,6 @@ pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
     files.sort();
     Ok(files)
 }
-
-/// How many files are loaded at once. Each load compiles its component (memory and a CPU),
-/// so a directory of changed files is not compiled all at once.
-pub const LOADS_AT_ONCE: usize = 4;
 
 /// What the watcher hears from notify.
 enum Seen {
@@ -110,25 +107,27 @@ pub fn spawn(
         let mut rescan = tokio::time::interval_at(Instant::now() + every, every);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Files with recent events, and when they become due.
-        let mut pending: HashMap<PathBuf, Instant> = HashMap::new();
-        let mut loads = Loads::default();
+        let mut pending: HashMap<PathBuf, Due> = HashMap::new();
+        // Each load may compile: no more at once than there are compile slots, or the
+        // loads past them would fail as busy after a short wait.
+        let mut loads = Loads::new(runtime.compile_slots());
         loop {
             let next_due = loads.next_due(&pending);
             tokio::select! {
                 seen = rx.recv() => match seen {
                     Some(Seen::File(path)) if is_component_name(&path) => {
-                        pending.insert(path, Instant::now() + debounce);
+                        pending.insert(path, Due { at: Instant::now() + debounce, recheck: false });
                     }
                     Some(Seen::File(_)) => {}
-                    Some(Seen::Rescan) => watched.queue_stale(&registry, &loads, &mut pending, debounce),
+                    Some(Seen::Rescan) => watched.queue_stale(&registry, &mut pending, debounce),
                     None => return,
                 },
                 _ = rescan.tick() => {
                     watched.watch_again();
-                    watched.queue_stale(&registry, &loads, &mut pending, debounce);
+                    watched.queue_stale(&registry, &mut pending, debounce);
                 }
                 _ = sleep_until(next_due) => {
-                    for path in loads.take_due(&mut pending) {
+                    for path in loads.take_due(&mut pending, &registry) {
                         let (runtime, pool, registry) = (runtime.clone(), pool.clone(), registry.clone());
                         loads.start(path.clone(), async move { settle(&path, &runtime, &pool, &registry).await });
                     }
@@ -136,52 +135,76 @@ pub fn spawn(
                 Some(unloaded) = loads.next_done() => {
                     if unloaded {
                         // A file refused for the plugin this one provided may load now.
-                        watched.queue_stale(&registry, &loads, &mut pending, debounce);
+                        watched.queue_stale(&registry, &mut pending, debounce);
                     }
                 }
-                // Loads in progress are dropped: a load can take minutes (a migration).
-                _ = shutdown.changed() => return,
+                // Loads in progress are cancelled: a load can take minutes (a migration).
+                _ = shutdown.changed() => return loads.cancel().await,
             }
         }
     }))
 }
 
-/// The loads in progress, one per file, at most [`LOADS_AT_ONCE`].
-#[derive(Default)]
+/// When a pending file is due, and whether it was queued by a rescan rather than an event:
+/// such a file is loaded only if the registry is still behind on it when it is due (its
+/// load may have been in progress when it was queued).
+#[derive(Clone, Copy)]
+struct Due {
+    at: Instant,
+    recheck: bool,
+}
+
+/// The loads in progress, one per file, at most `limit`.
 struct Loads {
+    limit: usize,
     running: tokio::task::JoinSet<bool>,
     files: HashMap<tokio::task::Id, PathBuf>,
 }
 
 impl Loads {
+    fn new(limit: usize) -> Loads {
+        Loads {
+            limit: limit.max(1),
+            running: tokio::task::JoinSet::new(),
+            files: HashMap::new(),
+        }
+    }
+
     fn busy(&self, path: &Path) -> bool {
         self.files.values().any(|p| p == path)
     }
 
     /// When the next pending file that may start now becomes due; none while the loads
     /// are at their limit.
-    fn next_due(&self, pending: &HashMap<PathBuf, Instant>) -> Option<Instant> {
-        if self.files.len() >= LOADS_AT_ONCE {
+    fn next_due(&self, pending: &HashMap<PathBuf, Due>) -> Option<Instant> {
+        if self.files.len() >= self.limit {
             return None;
         }
-        pending.iter().filter(|(p, _)| !self.busy(p)).map(|(_, t)| *t).min()
+        pending.iter().filter(|(p, _)| !self.busy(p)).map(|(_, d)| d.at).min()
     }
 
-    /// The due files that may start now, taken out of `pending`: not one being loaded, and
-    /// no more than the limit leaves room for.
-    fn take_due(&self, pending: &mut HashMap<PathBuf, Instant>) -> Vec<PathBuf> {
+    /// The due files that may start now, earliest first, taken out of `pending`: not one
+    /// being loaded, and no more than the limit leaves room for. A file a rescan queued
+    /// that the registry is no longer behind on is dropped.
+    fn take_due(&self, pending: &mut HashMap<PathBuf, Due>, registry: &Registry) -> Vec<PathBuf> {
         let now = Instant::now();
-        let room = LOADS_AT_ONCE.saturating_sub(self.files.len());
-        let due: Vec<PathBuf> = pending
+        let mut due: Vec<(Instant, PathBuf)> = pending
             .iter()
-            .filter(|(p, t)| **t <= now && !self.busy(p))
-            .map(|(p, _)| p.clone())
-            .take(room)
+            .filter(|(p, d)| d.at <= now && !self.busy(p))
+            .map(|(p, d)| (d.at, p.clone()))
             .collect();
-        for path in &due {
-            pending.remove(path);
+        due.sort();
+        let mut start = Vec::new();
+        for (_, path) in due {
+            if start.len() + self.files.len() >= self.limit {
+                break;
+            }
+            let recheck = pending.remove(&path).is_some_and(|d| d.recheck);
+            if !recheck || registry.needs_load(&path) {
+                start.push(path);
+            }
         }
-        due
+        start
     }
 
     fn start(&mut self, path: PathBuf, load: impl std::future::Future<Output = bool> + Send + 'static) {
@@ -209,6 +232,11 @@ impl Loads {
             }
         }
     }
+
+    /// Cancels the loads in progress, and waits until they have let go of what they hold.
+    async fn cancel(mut self) {
+        self.running.shutdown().await;
+    }
 }
 
 /// The watched directory and its watch.
@@ -229,16 +257,9 @@ impl Watched {
 
     /// Queues every file the registry is behind on: a component file not loaded as it is
     /// now, or whose last load may succeed if tried again, and a file it knows that is gone.
-    /// Not a file being loaded: the registry is behind on it until its load ends, and the
-    /// next rescan looks again (queued, a file refused for good was tried again at once, and
-    /// its refusal overwritten by a retryable one).
-    fn queue_stale(
-        &self,
-        registry: &Registry,
-        loads: &Loads,
-        pending: &mut HashMap<PathBuf, Instant>,
-        debounce: Duration,
-    ) {
+    /// A file may be queued while its load is in progress (the registry is behind on it until
+    /// that load ends), so each is checked again when it is due.
+    fn queue_stale(&self, registry: &Registry, pending: &mut HashMap<PathBuf, Due>, debounce: Duration) {
         let files = match component_files(&self.dir) {
             Ok(files) => files,
             Err(e) => {
@@ -246,10 +267,12 @@ impl Watched {
                 return;
             }
         };
-        let due = Instant::now() + debounce;
+        let due = Due {
+            at: Instant::now() + debounce,
+            recheck: true,
+        };
         let gone = registry.files().into_iter().filter(|known| !files.contains(known));
-        let stale = files.iter().filter(|f| registry.needs_load(f)).cloned().chain(gone);
-        for path in stale.filter(|p| !loads.busy(p)) {
+        for path in files.iter().filter(|f| registry.needs_load(f)).cloned().chain(gone) {
             tracing::debug!(file = %path.display(), "queued by a rescan of the plugin directory");
             pending.entry(path).or_insert(due);
         }
