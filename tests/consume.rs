@@ -581,6 +581,56 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
     host.shutdown().await;
 }
 
+/// A copy of an event processed before its key was parked (a redelivery: an offset not yet
+/// committed, a lease moved) is a duplicate, skipped when it arrives. It was stored in the
+/// inbox behind the dead letter, its duplicate check put off until the letter was resolved:
+/// a letter left longer than `retention.processed_after` let retention delete the event's
+/// dedup record first, and the retry ran it a second time, after the events that followed it.
+#[tokio::test]
+async fn a_copy_of_an_event_processed_before_its_key_was_parked_is_not_stored_behind_it() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 1).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(DEDUP);
+    let a1 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1 })).await;
+    let poison = json!({ "seq": 2, "poison": true });
+    let a2 = send_event(&p, &topic, "A", "Thing", &poison).await;
+    eventually(Duration::from_secs(20), "A1 done and A2 parked", || async {
+        effects(&host, a1).await == 1
+            && host
+                .count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+                .await
+                == 1
+    })
+    .await;
+
+    // A1 again, then A3: A3 waits behind A2 in the inbox, and A1 came before it.
+    send_event_with_id(&p, &topic, "A", "Thing", &json!({ "seq": 1 }), a1).await;
+    let a3 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 3 })).await;
+    let stored = |id: uuid::Uuid| format!("SELECT count(*) FROM obx.inbox_event WHERE event_id = '{id}'");
+    eventually(Duration::from_secs(20), "A3 stored behind A2", || async {
+        host.count(&stored(a3)).await == 1
+    })
+    .await;
+    assert_eq!(host.count(&stored(a1)).await, 0, "A1's copy was stored behind A2");
+
+    sqlx::query("UPDATE obx.inbox_event SET payload = payload - 'poison' WHERE event_id = $1")
+        .bind(a2)
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let dead_id: i64 = sqlx::query_scalar("SELECT id FROM obx.dead_letter")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    obx::inbox::dlq::retry(&host.db, dead_id).await.unwrap();
+    eventually(Duration::from_secs(20), "A2 and A3 after the retry", || async {
+        effects(&host, a2).await == 1 && effects(&host, a3).await == 1
+    })
+    .await;
+    assert_eq!(effects(&host, a1).await, 1);
+    host.shutdown().await;
+}
+
 /// Events A1-A6 and B1-B6, interleaved; A4 carries `defer_violation` (what its handler leaves
 /// for its commit), the others nothing. Their ids, A's and B's.
 async fn a_and_b(
