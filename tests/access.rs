@@ -10,6 +10,7 @@ use serde_json::json;
 
 const COMMAND_TOKEN: &str = "cmd-token-4f1d2c3b5a697887";
 const ADMIN_TOKEN: &str = "adm-token-9e8d7c6b5a4f3e2d";
+const READ_TOKEN: &str = "read-token-1a2b3c4d5e6f7a8b";
 const KAFKA_PASSWORD: &str = "kafka-password-3d5f7a9b";
 
 /// Everything any part of this test process logs, at debug level and above.
@@ -54,6 +55,7 @@ async fn guarded_host() -> (TestHost, TestBroker) {
             .insert("sasl.password".into(), Secret::new(KAFKA_PASSWORD));
         c.http.auth.command_tokens = vec![Secret::new(COMMAND_TOKEN)];
         c.http.auth.admin_tokens = vec![Secret::new(ADMIN_TOKEN)];
+        c.http.auth.read_tokens = vec![Secret::new(READ_TOKEN)];
     })
     .await;
     (host, broker)
@@ -87,10 +89,26 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
     let command = "/v1/commands/orders/CreateOrder";
     let bearer = |t: &str| format!("Bearer {t}");
     let wrong = bearer("not-a-token-of-ours-at-all");
-    let (cmd, adm) = (bearer(COMMAND_TOKEN), bearer(ADMIN_TOKEN));
+    let (cmd, adm, read) = (bearer(COMMAND_TOKEN), bearer(ADMIN_TOKEN), bearer(READ_TOKEN));
 
     // (method, path, authorization, expected status)
     let cases: Vec<(&str, &str, Option<&str>, u16)> = vec![
+        // A read token reads what an admin token reads, and acts on nothing.
+        ("POST", command, Some(&read), 403),
+        ("GET", "/v1/status", Some(&read), 200),
+        ("GET", "/v1/plugins", Some(&read), 200),
+        ("GET", "/metrics", Some(&read), 200),
+        ("GET", "/v1/dlq", Some(&read), 200),
+        ("GET", "/v1/quarantine", Some(&read), 200),
+        ("GET", "/v1/timers", Some(&read), 200),
+        ("GET", "/v1/catalog", Some(&read), 200),
+        ("POST", "/v1/dlq/1/retry", Some(&read), 403),
+        ("POST", "/v1/dlq/1/discard", Some(&read), 403),
+        ("POST", "/v1/timers/cancel", Some(&read), 403),
+        ("POST", "/v1/timers/retry", Some(&read), 403),
+        ("POST", "/v1/outbox/replay", Some(&read), 403),
+        ("POST", "/v1/status", Some(&read), 405),
+        ("POST", "/v1/status", None, 401),
         ("POST", command, None, 401),
         ("POST", command, Some(&wrong), 401),
         ("POST", command, Some("Basic YWRtaW46YWRtaW4="), 401),

@@ -199,13 +199,29 @@ impl Default for HttpConfig {
 pub struct AuthConfig {
     /// Tokens that may run commands (`POST /v1/commands/...`).
     pub command_tokens: Vec<Secret>,
-    /// Tokens that may use the admin endpoints: `/v1/plugins`, `/v1/status`, `/metrics`.
+    /// Tokens that may use every admin endpoint: read the status, plugins, metrics, dead
+    /// letters, quarantine, timers and catalog, and act: retry or discard a dead letter,
+    /// cancel or retry timers, replay the outbox.
     pub admin_tokens: Vec<Secret>,
+    /// Tokens that may only read what admin tokens read (`GET` only): for monitoring, such
+    /// as a Prometheus scrape of `/metrics`, whose configuration is widely readable.
+    pub read_tokens: Vec<Secret>,
 }
 
 impl AuthConfig {
     pub fn enabled(&self) -> bool {
-        !self.command_tokens.is_empty() || !self.admin_tokens.is_empty()
+        !self.command_tokens.is_empty() || !self.admin_tokens.is_empty() || !self.read_tokens.is_empty()
+    }
+
+    /// Every token with the key of its list.
+    fn all(&self) -> impl Iterator<Item = (&'static str, &Secret)> {
+        [
+            ("http.auth.command_tokens", &self.command_tokens),
+            ("http.auth.admin_tokens", &self.admin_tokens),
+            ("http.auth.read_tokens", &self.read_tokens),
+        ]
+        .into_iter()
+        .flat_map(|(key, tokens)| tokens.iter().map(move |t| (key, t)))
     }
 }
 
@@ -838,6 +854,9 @@ impl Config {
         for (i, token) in self.http.auth.admin_tokens.iter_mut().enumerate() {
             token.resolve(&format!("http.auth.admin_tokens[{i}]"))?;
         }
+        for (i, token) in self.http.auth.read_tokens.iter_mut().enumerate() {
+            token.resolve(&format!("http.auth.read_tokens[{i}]"))?;
+        }
         Ok(())
     }
 
@@ -863,6 +882,14 @@ impl Config {
                  command waiting for an Idempotency-Key another holds may be answered 503 \
                  database_unavailable instead of 409 idempotency_key_in_use",
                 l.lock_timeout, l.statement_timeout
+            ));
+        }
+        let r = &self.retention;
+        if r.outbox_after > r.processed_after {
+            advice.push(format!(
+                "retention.outbox_after ({:?}) is longer than retention.processed_after ({:?}): a \
+                 replay of events published before the dedup window runs their handlers again",
+                r.outbox_after, r.processed_after
             ));
         }
         advice
@@ -909,7 +936,7 @@ impl Config {
                 );
             }
         }
-        for token in auth.command_tokens.iter().chain(&auth.admin_tokens) {
+        for (_, token) in auth.all() {
             if token.expose().len() < 16 {
                 return invalid("http.auth", "every token must be at least 16 characters");
             }
@@ -924,15 +951,14 @@ impl Config {
                 );
             }
         }
-        if auth
-            .command_tokens
-            .iter()
-            .any(|c| auth.admin_tokens.iter().any(|a| a.expose() == c.expose()))
-        {
-            return invalid(
-                "http.auth.admin_tokens",
-                "a token may not be in both lists: each token has one scope, and an admin token is refused for commands",
-            );
+        let mut seen = std::collections::HashMap::new();
+        for (key, token) in auth.all() {
+            if seen.insert(token.expose(), key).is_some_and(|first| first != key) {
+                return invalid(
+                    key,
+                    "a token may not be in two lists: each token has one scope, and an admin token is refused for commands",
+                );
+            }
         }
         if self.http.shutdown_timeout.is_zero() {
             return invalid("http.shutdown_timeout", "must be greater than 0");
@@ -1195,6 +1221,20 @@ mod tests {
         assert!(c.advice().is_empty());
     }
 
+    /// A replay reaches back as far as the outbox keeps rows; consumers skip only what the
+    /// dedup window remembers: a longer outbox is advised against.
+    #[test]
+    fn an_outbox_kept_longer_than_the_dedup_window_is_advised_against() {
+        let mut c = Config::default();
+        c.retention.outbox_after = Duration::from_secs(30 * 24 * 3600);
+        c.validate().unwrap();
+        let advice = c.advice();
+        assert_eq!(advice.len(), 1, "{advice:?}");
+        assert!(advice[0].starts_with("retention.outbox_after (2592000s)"), "{advice:?}");
+        c.retention.outbox_after = c.retention.processed_after;
+        assert!(c.advice().is_empty());
+    }
+
     #[test]
     fn secret_is_redacted() {
         let s = Secret::new("postgres://u:hunter2@h/db");
@@ -1314,6 +1354,11 @@ mod tests {
                 "a token in both scopes",
                 "[http.auth]\ncommand_tokens = [\"0123456789abcdef0123\"]\nadmin_tokens = [\"0123456789abcdef0123\"]",
                 "http.auth.admin_tokens",
+            ),
+            (
+                "an admin token that is a read token too",
+                "[http.auth]\nadmin_tokens = [\"0123456789abcdef0123\"]\nread_tokens = [\"0123456789abcdef0123\"]",
+                "http.auth.read_tokens",
             ),
             (
                 "secret file missing",

@@ -200,7 +200,7 @@ pub async fn catalog(State(state): State<Arc<AppState>>, Query(q): Query<Catalog
         Some(other) => error_response(
             StatusCode::BAD_REQUEST,
             "bad_request",
-            &format!("format {other:?}: use json or asyncapi"),
+            &format!("format {}: use json or asyncapi", crate::text::shown(other)),
         ),
     }
 }

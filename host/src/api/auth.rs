@@ -1,5 +1,7 @@
-//! Bearer-token access to the API, by scope: `commands` for `POST /v1/commands/...`, `admin`
-//! for `/v1/plugins`, `/v1/status` and `/metrics`. Health and readiness stay open.
+//! Bearer-token access to the API, by scope: `commands` for `POST /v1/commands/...`; `admin`
+//! for every admin endpoint, those that act (dead letters, timers, replay) and those that
+//! read; `read` for the reading ones (`GET`) only, such as `/metrics` for a scraper. Health
+//! and readiness stay open.
 //!
 //! No credentials, or unknown ones, get 401; a known token of the other scope gets 403. The
 //! answer says nothing more. Tokens are compared as SHA-256 digests in constant time.
@@ -20,12 +22,14 @@ use crate::config::AuthConfig;
 pub enum Scope {
     Commands,
     Admin,
+    Read,
 }
 
 pub struct Tokens {
     enabled: bool,
     commands: Vec<[u8; 32]>,
     admin: Vec<[u8; 32]>,
+    read: Vec<[u8; 32]>,
 }
 
 impl Tokens {
@@ -35,6 +39,7 @@ impl Tokens {
             enabled: config.enabled(),
             commands: config.command_tokens.iter().map(digest).collect(),
             admin: config.admin_tokens.iter().map(digest).collect(),
+            read: config.read_tokens.iter().map(digest).collect(),
         })
     }
 
@@ -49,6 +54,8 @@ impl Tokens {
             Some(Scope::Commands)
         } else if matches(&self.admin) {
             Some(Scope::Admin)
+        } else if matches(&self.read) {
+            Some(Scope::Read)
         } else {
             None
         }
@@ -56,14 +63,20 @@ impl Tokens {
 }
 
 pub async fn commands(State(tokens): State<Arc<Tokens>>, request: Request, next: Next) -> Response {
-    check(&tokens, Scope::Commands, request, next).await
+    check(&tokens, &[Scope::Commands], request, next).await
 }
 
+/// The admin endpoints that act.
 pub async fn admin(State(tokens): State<Arc<Tokens>>, request: Request, next: Next) -> Response {
-    check(&tokens, Scope::Admin, request, next).await
+    check(&tokens, &[Scope::Admin], request, next).await
 }
 
-async fn check(tokens: &Tokens, needed: Scope, request: Request, next: Next) -> Response {
+/// The admin endpoints that only read.
+pub async fn read(State(tokens): State<Arc<Tokens>>, request: Request, next: Next) -> Response {
+    check(&tokens, &[Scope::Admin, Scope::Read], request, next).await
+}
+
+async fn check(tokens: &Tokens, allowed: &[Scope], request: Request, next: Next) -> Response {
     if !tokens.enabled {
         return next.run(request).await;
     }
@@ -74,7 +87,7 @@ async fn check(tokens: &Tokens, needed: Scope, request: Request, next: Next) -> 
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim);
     match presented.and_then(|t| tokens.scope_of(t)) {
-        Some(scope) if scope == needed => next.run(request).await,
+        Some(scope) if allowed.contains(&scope) => next.run(request).await,
         Some(_) => error_response(StatusCode::FORBIDDEN, "forbidden", "not allowed"),
         None => {
             let mut response = error_response(StatusCode::UNAUTHORIZED, "unauthorized", "authentication required");

@@ -94,21 +94,23 @@ pub fn router(state: AppState, http: &HttpConfig, winding_down: tokio::sync::wat
     let commands = Router::new()
         .route("/v1/commands/{plugin}/{command}", post(commands::run))
         .route_layer(axum::middleware::from_fn_with_state(tokens.clone(), auth::commands));
-    let admin = Router::new()
+    let read = Router::new()
         .route("/v1/plugins", get(plugins))
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
         .route("/v1/dlq", get(admin::dlq_list))
-        .route("/v1/dlq/{id}/retry", post(admin::dlq_retry))
-        .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
         .route("/v1/quarantine", get(admin::quarantine))
         .route("/v1/timers", get(admin::timers_list))
+        .route("/v1/catalog", get(admin::catalog))
+        .route_layer(axum::middleware::from_fn_with_state(tokens.clone(), auth::read));
+    let act = Router::new()
+        .route("/v1/dlq/{id}/retry", post(admin::dlq_retry))
+        .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
         .route("/v1/timers/cancel", post(admin::timers_cancel))
         .route("/v1/timers/retry", post(admin::timers_retry))
         .route("/v1/outbox/replay", post(admin::outbox_replay))
-        .route("/v1/catalog", get(admin::catalog))
         .route_layer(axum::middleware::from_fn_with_state(tokens, auth::admin));
-    let api = commands.merge(admin);
+    let api = commands.merge(read).merge(act);
     // Without tokens, only this machine's callers, and no web page (see `local`). Health
     // and readiness stay open, for probes, as they do with tokens.
     let api = match http.auth.enabled() {
