@@ -947,6 +947,28 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
     all_published(&host, 3).await;
     let aside = set_aside_rows(&host).await;
     assert_eq!(aside, vec![("t".to_string(), "0".to_string(), 2)]);
+
+    // The topic takes it now: the operator sends it by a replay of the rows set aside, and
+    // it lands after its key's later rows, marked published.
+    let a = host.post_json("/v1/outbox/replay", json!({ "set_aside": true })).await;
+    assert_eq!((a.status, &a.body["replayed"]), (200, &json!(1)), "{}", a.text);
+    assert!(set_aside_rows(&host).await.is_empty());
+    all_published(&host, 4).await;
+    let got = consume(
+        &host.host.brokers.bootstrap,
+        &host.topic(&t),
+        4,
+        Duration::from_secs(20),
+    )
+    .await;
+    let t_rows = got.iter().filter(|m| m.key.as_deref() == Some("t"));
+    let last = t_rows.max_by_key(|m| m.offset).expect("key t's messages");
+    assert_eq!(
+        (last.json()["i"].clone(), last.header("obx-replay")),
+        (json!(0), Some("true"))
+    );
+    let a = host.post_json("/v1/outbox/replay", json!({ "set_aside": true })).await;
+    assert_eq!((a.status, &a.body["replayed"]), (200, &json!(0)), "{}", a.text);
     host.shutdown().await;
 }
 

@@ -192,6 +192,10 @@ enum OutboxCommand {
         aggregate_type: Option<String>,
         #[arg(long)]
         aggregate_id: Option<String>,
+        /// The rows the relay set aside (refused for good) instead of published ones: each is
+        /// sent after its key's later events, and marked published once acknowledged.
+        #[arg(long)]
+        set_aside: bool,
     },
 }
 
@@ -326,6 +330,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     until,
                     aggregate_type,
                     aggregate_id,
+                    set_aside,
                 },
         } => {
             let filter = crate::outbox::replay::ReplayFilter {
@@ -335,6 +340,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 until,
                 aggregate_type,
                 aggregate_id,
+                set_aside,
             };
             outbox_replay(cli.config, host, filter).await
         }

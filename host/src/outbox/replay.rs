@@ -10,6 +10,11 @@
 //! it, in its key's order. Sent by a replay, it could go out before an earlier event of its
 //! key that the relay holds (a refused send waiting out its backoff, or a relay behind), and
 //! a consumer would take the two out of order.
+//!
+//! The exception is asked for by name (`set_aside`): the rows the relay set aside, refused
+//! for good (too large, or a timestamp the topic refused), which it never sends again. Once
+//! the cause is fixed, such a replay sends them (after their keys' later events, which went
+//! on without them) and marks each published once the broker acknowledged it.
 
 use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
@@ -29,12 +34,16 @@ pub struct ReplayFilter {
     pub until: Option<DateTime<Utc>>,
     pub aggregate_type: Option<String>,
     pub aggregate_id: Option<String>,
+    /// The rows the relay set aside instead of published ones.
+    pub set_aside: bool,
 }
 
 impl ReplayFilter {
-    /// Whether no condition was given (which would select the whole outbox).
+    /// Whether no condition was given (which would select the whole outbox). The rows set
+    /// aside are a condition of their own.
     pub fn is_empty(&self) -> bool {
-        self.from_id.is_none()
+        !self.set_aside
+            && self.from_id.is_none()
             && self.to_id.is_none()
             && self.since.is_none()
             && self.until.is_none()
@@ -44,7 +53,7 @@ impl ReplayFilter {
 }
 
 /// Why a replay without a filter is refused: it would send the whole outbox.
-pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an aggregate";
+pub const NO_FILTER: &str = "give at least one of: an id range, a time range, an aggregate, the rows set aside";
 
 /// The header that marks a replayed message.
 pub const REPLAY_HEADER: &str = "obx-replay";
@@ -94,6 +103,14 @@ pub async fn replay_until(
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let mut sent = 0u64;
+    // Published rows; or those set aside, which are not.
+    let which = match f.set_aside {
+        false => "o.published_at IS NOT NULL",
+        true => {
+            "o.published_at IS NULL AND EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
+                 WHERE f.outbox_id = o.id AND f.set_aside)"
+        }
+    };
     let page = format!(
         "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
              WHERE o.id > $1 \
@@ -102,7 +119,7 @@ pub async fn replay_until(
                AND ($4::timestamptz IS NULL OR o.created_at < $4) \
                AND ($5::text IS NULL OR o.aggregate_type = $5) \
                AND ($6::text IS NULL OR o.aggregate_id = $6) \
-               AND o.published_at IS NOT NULL \
+               AND {which} \
              ORDER BY o.id LIMIT $7"
     );
     // Rows asked for: as for a relay claim, about as many as fitted in the last page.
@@ -135,13 +152,24 @@ pub async fn replay_until(
                 .with_context(|| format!("queueing outbox row {}", row.id))?;
             deliveries.push((row.id, delivery));
         }
-        for (id, delivery) in deliveries {
-            match delivery.await {
-                Ok(Ok(_)) => sent += 1,
-                Ok(Err((e, _))) => bail!("the broker refused outbox row {id}: {e}"),
-                Err(_) => bail!("the producer stopped before outbox row {id} was acknowledged"),
+        let mut acked = Vec::with_capacity(deliveries.len());
+        let outcome = async {
+            for (id, delivery) in deliveries {
+                match delivery.await {
+                    Ok(Ok(_)) => acked.push(id),
+                    Ok(Err((e, _))) => bail!("the broker refused outbox row {id}: {e}"),
+                    Err(_) => bail!("the producer stopped before outbox row {id} was acknowledged"),
+                }
             }
+            Ok(())
         }
+        .await;
+        sent += acked.len() as u64;
+        if f.set_aside {
+            // Even when a later row was refused: those the broker took are not sent again.
+            published(pool, &acked).await?;
+        }
+        outcome?;
         metrics::counter!("obx_outbox_replayed_total").increment(rows.len() as u64);
         if !cut && (rows.len() as u32) < limit {
             break;
@@ -158,4 +186,22 @@ pub async fn replay_until(
         sent,
         next_from_id: None,
     })
+}
+
+/// Marks rows the relay had set aside as published, now that a replay sent them: the relay
+/// no longer counts them, and retention deletes them in time.
+async fn published(pool: &PgPool, ids: &[i64]) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "WITH marked AS (UPDATE obx.outbox_event SET published_at = now() \
+                         WHERE id = ANY($1) AND published_at IS NULL RETURNING id) \
+         DELETE FROM obx.outbox_delivery_failure WHERE outbox_id IN (SELECT id FROM marked) AND set_aside",
+    )
+    .bind(ids)
+    .execute(pool)
+    .await
+    .context("marking the rows set aside as published")?;
+    Ok(())
 }
