@@ -23,7 +23,7 @@ use crate::outbox::relay::Relay;
 use crate::retention;
 use crate::runtime::cache::CacheSettings;
 use crate::runtime::registry::Registry;
-use crate::runtime::{watcher, Runtime};
+use crate::runtime::{loader, watcher, Runtime};
 use crate::signal::Signal;
 
 /// A running host. Dropping it does not stop it; call [`Host::shutdown`].
@@ -298,7 +298,7 @@ pub async fn load_plugin_dir(runtime: &Arc<Runtime>, pool: &PgPool, registry: &R
         std::fs::create_dir_all(dir).with_context(|| format!("creating the plugin directory {}", dir.display()))?;
     }
     for path in watcher::component_files(dir)? {
-        let _ = registry.load_file(runtime, pool, &path).await;
+        let _ = registry.load_file(runtime, pool, &path, loader::SLOT_WAIT).await;
     }
     Ok(())
 }

@@ -57,7 +57,7 @@ pub async fn run(file: &Path, config: &Config) -> Result<Vec<Check>> {
     let mut checks = Vec::new();
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let runtime = Runtime::new(config.limits.clone(), CacheSettings::of(&config.plugins))?;
-    let plugin = match loader::load(&runtime, bytes).await {
+    let plugin = match loader::load(&runtime, bytes, loader::SLOT_WAIT).await {
         Ok(p) => {
             let m = &p.manifest;
             checks.push(Check::pass(

@@ -64,7 +64,7 @@ pub(super) async fn plugin_check(config: Option<PathBuf>, file: PathBuf, json: b
     // of a file is quick.
     let runtime = Runtime::new(config.limits, CacheSettings::of(&config.plugins))?;
     let started = std::time::Instant::now();
-    match crate::runtime::loader::load(&runtime, bytes).await {
+    match crate::runtime::loader::load(&runtime, bytes, crate::runtime::loader::SLOT_WAIT).await {
         Ok(plugin) => {
             let m = &plugin.manifest;
             if json {

@@ -59,14 +59,22 @@ impl LoadError {
     }
 }
 
-/// The longest a load waits for a compile slot.
-const SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The longest a load that others wait behind (at start, where files load one after
+/// another) waits for a compile slot, so that they are not held up for long by compiles
+/// that ran past their time.
+pub const SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The compiled component, and whether it came from the compile cache. A cache hit takes no
-/// compile slot. A compile takes one (waiting for it at most [`SLOT_WAIT`]) and
-/// has `limits.compile_timeout` to finish; past it the load fails, the compile runs on to its
-/// end on its slot, and its result is not cached, so that the file is refused every time.
-async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Result<(Component, bool), LoadError> {
+/// compile slot. A compile takes one (waiting for it at most `slot_wait`, and never longer
+/// than `limits.compile_timeout`) and has `limits.compile_timeout` to finish; past it the
+/// load fails, the compile runs on to its end on its slot, and its result is not cached, so
+/// that the file is refused every time.
+async fn compiled(
+    runtime: &Arc<Runtime>,
+    bytes: Vec<u8>,
+    sha256: &str,
+    slot_wait: std::time::Duration,
+) -> Result<(Component, bool), LoadError> {
     let timeout = runtime.limits().compile_timeout;
     let cached = {
         let (runtime, sha256) = (runtime.clone(), sha256.to_string());
@@ -76,10 +84,7 @@ async fn compiled(runtime: &Arc<Runtime>, bytes: Vec<u8>, sha256: &str) -> Resul
         metrics::counter!("obx_plugin_compile_cache_hits_total").increment(1);
         return Ok((component, true));
     }
-    // Loads run one after another at start, and a few at once in the watcher: a load waits
-    // only a little for a slot, so that files behind it are not held up for long by overdue
-    // compiles.
-    let wait = timeout.min(SLOT_WAIT);
+    let wait = timeout.min(slot_wait);
     let Some(slot) = runtime.compile_slot(wait).await else {
         let (waited, slots) = (wait, runtime.compile_slots());
         return Err(LoadError::CompilersBusy { waited, slots });
@@ -156,8 +161,9 @@ pub async fn read_component(path: &std::path::Path, limit: u64) -> Result<Vec<u8
     Ok(bytes)
 }
 
-/// Loads a component: checks, compiles and validates it.
-pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, LoadError> {
+/// Loads a component: checks, compiles and validates it, waiting at most `slot_wait` for a
+/// compile slot (see [`SLOT_WAIT`]).
+pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>, slot_wait: std::time::Duration) -> Result<Plugin, LoadError> {
     let limits = runtime.limits();
     let size = bytes.len() as u64;
     if size > limits.max_component_bytes {
@@ -169,7 +175,7 @@ pub async fn load(runtime: &Arc<Runtime>, bytes: Vec<u8>) -> Result<Plugin, Load
     check_header(&bytes)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
 
-    let (component, from_cache) = compiled(runtime, bytes, &sha256).await?;
+    let (component, from_cache) = compiled(runtime, bytes, &sha256, slot_wait).await?;
 
     let instance_pre = runtime
         .linker

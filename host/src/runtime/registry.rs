@@ -210,11 +210,17 @@ impl Registry {
     /// Files load side by side; one file's loads must not overlap (the watcher's are one at a
     /// time per file), and loads of one plugin from different files take turns from the
     /// compiled component on.
-    pub async fn load_file(&self, runtime: &Arc<Runtime>, pool: &PgPool, path: &Path) -> Result<Arc<Plugin>, String> {
+    pub async fn load_file(
+        &self,
+        runtime: &Arc<Runtime>,
+        pool: &PgPool,
+        path: &Path,
+        slot_wait: std::time::Duration,
+    ) -> Result<Arc<Plugin>, String> {
         let started = std::time::Instant::now();
         // Taken before the file is read: a change while it is read is seen by the next rescan.
         let seen = Fingerprint::of(path);
-        let result = self.try_load_file(runtime, pool, path, seen).await;
+        let result = self.try_load_file(runtime, pool, path, seen, slot_wait).await;
         metrics::histogram!("obx_plugin_load_seconds").record(started.elapsed().as_secs_f64());
         match result {
             Ok(plugin) => {
@@ -250,6 +256,7 @@ impl Registry {
         pool: &PgPool,
         path: &Path,
         seen: Option<Fingerprint>,
+        slot_wait: std::time::Duration,
     ) -> Result<Arc<Plugin>, LoadError> {
         // A read that failed for the file system (out of descriptors) is tried again at the
         // next rescan; it left the plugin unloaded until its file changed.
@@ -266,7 +273,7 @@ impl Registry {
                 return Ok(current);
             }
         }
-        let plugin = loader::load(runtime, bytes)
+        let plugin = loader::load(runtime, bytes, slot_wait)
             .await
             .map_err(|e| LoadError::may_pass(e.to_string(), e.may_pass()))?;
         let name = plugin.manifest.name.clone();

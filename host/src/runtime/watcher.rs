@@ -17,11 +17,12 @@
 //! rescan (a directory made again may even get the old one's inode number, so the watcher
 //! cannot tell), and the comparison that follows covers the moment between.
 //!
-//! Files are loaded side by side, as many at once as the runtime has compile slots
-//! (`limits.max_concurrent_compiles`) and one at a time per file: a load can take minutes (a
-//! long migration, or another host's that it waits for), and the other plugins' files do not
-//! wait for it. Loads of one plugin from two files take turns in the registry
-//! ([`Registry::load_file`]).
+//! Files are loaded side by side, [`LOADS_AT_ONCE`] at most and one at a time per file: a
+//! load can take minutes (a long migration, or another host's that it waits for, or its
+//! plugin's turn), and the other plugins' files do not wait for it. Loads of one plugin from
+//! two files take turns in the registry ([`Registry::load_file`]). Compiles still run no more
+//! at once than there are compile slots: a load here waits for one up to
+//! `limits.compile_timeout`, as it holds up no other file.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -57,6 +58,9 @@ pub fn component_files(dir: &Path) -> Result<Vec<PathBuf>> {
     files.sort();
     Ok(files)
 }
+
+/// How many files the watcher loads at once.
+pub const LOADS_AT_ONCE: usize = 8;
 
 /// What the watcher hears from notify.
 enum Seen {
@@ -108,9 +112,7 @@ pub fn spawn(
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Files with recent events, and when they become due.
         let mut pending: HashMap<PathBuf, Due> = HashMap::new();
-        // Each load may compile: no more at once than there are compile slots, or the
-        // loads past them would fail as busy after a short wait.
-        let mut loads = Loads::new(runtime.compile_slots());
+        let mut loads = Loads::new(LOADS_AT_ONCE);
         loop {
             let next_due = loads.next_due(&pending);
             tokio::select! {
@@ -290,7 +292,8 @@ async fn sleep_until(due: Option<Instant>) {
 /// plugin.
 async fn settle(path: &Path, runtime: &Arc<Runtime>, pool: &PgPool, registry: &Registry) -> bool {
     if path.is_file() {
-        let _ = registry.load_file(runtime, pool, path).await;
+        let slot_wait = runtime.limits().compile_timeout;
+        let _ = registry.load_file(runtime, pool, path, slot_wait).await;
         false
     } else {
         registry.unload_file(path).is_some()
