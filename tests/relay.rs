@@ -948,6 +948,20 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
     let aside = set_aside_rows(&host).await;
     assert_eq!(aside, vec![("t".to_string(), "0".to_string(), 2)]);
 
+    // Refused again, it stays set aside.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_TIMESTAMP,
+        1,
+    );
+    let a = host.post_json("/v1/outbox/replay", json!({ "set_aside": true })).await;
+    assert_eq!(
+        (a.status, &a.body["replayed"], &a.body["refused"]),
+        (200, &json!(0), &json!(1)),
+        "{}",
+        a.text
+    );
+    assert_eq!(set_aside_rows(&host).await.len(), 1);
     // The topic takes it now: the operator sends it by a replay of the rows set aside, and
     // it lands after its key's later rows, marked published.
     let a = host.post_json("/v1/outbox/replay", json!({ "set_aside": true })).await;

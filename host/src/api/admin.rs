@@ -144,6 +144,7 @@ pub async fn outbox_replay(
     match result {
         Ok(part) => Json(json!({
             "replayed": part.sent,
+            "refused": part.refused,
             "done": part.next_from_id.is_none(),
             "next_from_id": part.next_from_id,
         }))

@@ -373,7 +373,7 @@ pub(super) async fn outbox_replay(
         }
         // In parts: each answer says where the rest begins.
         let admin = Admin::new(&config, &host);
-        let (mut filter, mut sent) = (filter, 0);
+        let (mut filter, mut sent, mut refused) = (filter, 0, 0);
         loop {
             let answer = admin.post("/v1/outbox/replay?parts=true", &filter).await;
             let answer = match (answer, filter.from_id) {
@@ -384,12 +384,17 @@ pub(super) async fn outbox_replay(
                 (Err(e), _) => return Err(e),
             };
             sent += answer["replayed"].as_u64().unwrap_or(0);
+            refused += answer["refused"].as_u64().unwrap_or(0);
             match answer["next_from_id"].as_i64() {
                 Some(next) if answer["done"] == false => filter.from_id = Some(next),
                 _ => break,
             }
         }
         println!("replayed {sent} events");
+        if refused > 0 {
+            eprintln!("the broker refused {refused} rows set aside again: they stay set aside (see the host's log)");
+            return Ok(ExitCode::FAILURE);
+        }
         return Ok(ExitCode::SUCCESS);
     }
     if config.database.url.is_none() {

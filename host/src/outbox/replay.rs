@@ -34,7 +34,9 @@ pub struct ReplayFilter {
     pub until: Option<DateTime<Utc>>,
     pub aggregate_type: Option<String>,
     pub aggregate_id: Option<String>,
-    /// The rows the relay set aside instead of published ones.
+    /// The rows the relay set aside instead of published ones. Left out when false, so that
+    /// a host that does not know it (a rolling upgrade) takes the filter.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub set_aside: bool,
 }
 
@@ -63,6 +65,9 @@ const PAGE: u32 = 1000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Replayed {
     pub sent: u64,
+    /// Rows set aside that the broker refused again (`set_aside` only): they stay set aside,
+    /// and the replay went on past them.
+    pub refused: u64,
     /// Where the rest begins, if the replay stopped at its time before the end: the same
     /// filter with this `from_id` goes on.
     pub next_from_id: Option<i64>,
@@ -102,17 +107,19 @@ pub async fn replay_until(
     crate::db::installation::check_shared_kafka_settings(pool, Some(partitioner), &kafka.topic_prefix, false).await?;
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
-    let mut sent = 0u64;
+    let (mut sent, mut refused) = (0u64, 0u64);
     // Published rows; or those set aside, which are not.
-    let which = match f.set_aside {
-        false => "o.published_at IS NOT NULL",
-        true => {
-            "o.published_at IS NULL AND EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
-                 WHERE f.outbox_id = o.id AND f.set_aside)"
-        }
+    // Published rows; or those set aside, which are not, found from their failure records
+    // (few, and indexed) rather than by walking the outbox.
+    let (from, which) = match f.set_aside {
+        false => ("obx.outbox_event o", "o.published_at IS NOT NULL"),
+        true => (
+            "obx.outbox_delivery_failure f JOIN obx.outbox_event o ON o.id = f.outbox_id",
+            "f.set_aside AND f.outbox_id > $1 AND o.published_at IS NULL",
+        ),
     };
     let page = format!(
-        "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
+        "SELECT {OUTBOX_ROW_COLUMNS} FROM {from} \
              WHERE o.id > $1 \
                AND ($2::bigint IS NULL OR o.id <= $2) \
                AND ($3::timestamptz IS NULL OR o.created_at >= $3) \
@@ -152,11 +159,13 @@ pub async fn replay_until(
                 .with_context(|| format!("queueing outbox row {}", row.id))?;
             deliveries.push((row.id, delivery));
         }
-        let mut acked = Vec::with_capacity(deliveries.len());
+        let (mut acked, mut refused_again) = (Vec::with_capacity(deliveries.len()), Vec::new());
         let outcome = async {
             for (id, delivery) in deliveries {
                 match delivery.await {
                     Ok(Ok(_)) => acked.push(id),
+                    // Set aside again: the rows after it go on.
+                    Ok(Err((e, _))) if f.set_aside => refused_again.push((id, e)),
                     Ok(Err((e, _))) => bail!("the broker refused outbox row {id}: {e}"),
                     Err(_) => bail!("the producer stopped before outbox row {id} was acknowledged"),
                 }
@@ -165,6 +174,10 @@ pub async fn replay_until(
         }
         .await;
         sent += acked.len() as u64;
+        refused += refused_again.len() as u64;
+        if let Some((id, e)) = refused_again.first() {
+            tracing::warn!(rows = refused_again.len(), first = id, error = %e, "the broker refused rows set aside again; they stay set aside");
+        }
         if f.set_aside {
             // Even when a later row was refused: those the broker took are not sent again.
             published(pool, &acked).await?;
@@ -177,6 +190,7 @@ pub async fn replay_until(
         if until.is_some_and(|t| std::time::Instant::now() >= t) {
             return Ok(Replayed {
                 sent,
+                refused,
                 next_from_id: Some(after.saturating_add(1)),
             });
         }
@@ -184,6 +198,7 @@ pub async fn replay_until(
     }
     Ok(Replayed {
         sent,
+        refused,
         next_from_id: None,
     })
 }
