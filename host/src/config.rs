@@ -884,12 +884,17 @@ impl Config {
                 l.lock_timeout, l.statement_timeout
             ));
         }
+        // Dedup consumers remember an event for processed_after, inbox ones for inbox_after.
         let r = &self.retention;
-        if r.outbox_after > r.processed_after {
+        let (window, key) = match r.inbox_after < r.processed_after {
+            true => (r.inbox_after, "retention.inbox_after"),
+            false => (r.processed_after, "retention.processed_after"),
+        };
+        if r.outbox_after > window {
             advice.push(format!(
-                "retention.outbox_after ({:?}) is longer than retention.processed_after ({:?}): a \
-                 replay of events published before the dedup window runs their handlers again",
-                r.outbox_after, r.processed_after
+                "retention.outbox_after ({:?}) is longer than {key} ({window:?}): a replay of \
+                 events published before consumers' dedup window runs their handlers again",
+                r.outbox_after
             ));
         }
         advice
@@ -956,7 +961,7 @@ impl Config {
             if seen.insert(token.expose(), key).is_some_and(|first| first != key) {
                 return invalid(
                     key,
-                    "a token may not be in two lists: each token has one scope, and an admin token is refused for commands",
+                    "a token may not be in two lists: each token has one scope (an admin token is refused for commands, a read token for actions)",
                 );
             }
         }
@@ -1226,12 +1231,14 @@ mod tests {
     #[test]
     fn an_outbox_kept_longer_than_the_dedup_window_is_advised_against() {
         let mut c = Config::default();
-        c.retention.outbox_after = Duration::from_secs(30 * 24 * 3600);
+        c.retention.outbox_after = Duration::from_secs(10 * 24 * 3600);
         c.validate().unwrap();
         let advice = c.advice();
         assert_eq!(advice.len(), 1, "{advice:?}");
-        assert!(advice[0].starts_with("retention.outbox_after (2592000s)"), "{advice:?}");
-        c.retention.outbox_after = c.retention.processed_after;
+        assert!(advice[0].starts_with("retention.outbox_after (864000s)"), "{advice:?}");
+        // Inbox consumers' window is the shorter here.
+        assert!(advice[0].contains("retention.inbox_after (604800s)"), "{advice:?}");
+        c.retention.outbox_after = c.retention.inbox_after;
         assert!(c.advice().is_empty());
     }
 
