@@ -558,16 +558,7 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
     assert_eq!((letters.len(), letters[0].waiting), (1, 1));
 
     // The operator fixes the cause and retries: A2 then A3 run, in that order.
-    sqlx::query("UPDATE obx.inbox_event SET payload = payload - 'poison' WHERE event_id = $1")
-        .bind(a2)
-        .execute(&host.db)
-        .await
-        .unwrap();
-    obx::inbox::dlq::retry(&host.db, dead_id).await.unwrap();
-    eventually(Duration::from_secs(20), "A2 and A3 after the retry", || async {
-        effects(&host, a2).await == 1 && effects(&host, a3).await == 1
-    })
-    .await;
+    cure_and_retry(&host, dead_id, a2, a3).await;
     let order = host
         .count(
             "SELECT count(*) FROM testbed.effects x, testbed.effects y WHERE x.seq = 2 AND y.seq = 3 AND x.at < y.at",
@@ -613,22 +604,29 @@ async fn a_copy_of_an_event_processed_before_its_key_was_parked_is_not_stored_be
     .await;
     assert_eq!(host.count(&stored(a1)).await, 0, "A1's copy was stored behind A2");
 
+    let dead_id: i64 = sqlx::query_scalar("SELECT id FROM obx.dead_letter")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    cure_and_retry(&host, dead_id, a2, a3).await;
+    assert_eq!(effects(&host, a1).await, 1);
+    host.shutdown().await;
+}
+
+/// What an operator does for the poisoned `a2` parked as dead letter `dead_id`: takes the
+/// poison out of its stored payload and retries it; then waits until `a2`, and `a3` behind
+/// it, took effect.
+async fn cure_and_retry(host: &TestHost, dead_id: i64, a2: uuid::Uuid, a3: uuid::Uuid) {
     sqlx::query("UPDATE obx.inbox_event SET payload = payload - 'poison' WHERE event_id = $1")
         .bind(a2)
         .execute(&host.db)
         .await
         .unwrap();
-    let dead_id: i64 = sqlx::query_scalar("SELECT id FROM obx.dead_letter")
-        .fetch_one(&host.db)
-        .await
-        .unwrap();
     obx::inbox::dlq::retry(&host.db, dead_id).await.unwrap();
     eventually(Duration::from_secs(20), "A2 and A3 after the retry", || async {
-        effects(&host, a2).await == 1 && effects(&host, a3).await == 1
+        effects(host, a2).await == 1 && effects(host, a3).await == 1
     })
     .await;
-    assert_eq!(effects(&host, a1).await, 1);
-    host.shutdown().await;
 }
 
 /// Events A1-A6 and B1-B6, interleaved; A4 carries `defer_violation` (what its handler leaves
