@@ -13,8 +13,9 @@
 //!
 //! The exception is asked for by name (`set_aside`): the rows the relay set aside, refused
 //! for good (too large, or a timestamp the topic refused), which it never sends again. Once
-//! the cause is fixed, such a replay sends them (after their keys' later events, which went
-//! on without them) and marks each published once the broker acknowledged it.
+//! the cause is fixed, such a replay sends them (after their keys' events published since,
+//! which went on without them) and marks each published once the broker acknowledged it; one
+//! the broker refuses again stays set aside, and the replay goes on past it.
 
 use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
@@ -108,7 +109,6 @@ pub async fn replay_until(
     // Saturating: `from_id` is the caller's, and i64::MIN - 1 overflowed.
     let mut after = f.from_id.map(|id| id.saturating_sub(1)).unwrap_or(0);
     let (mut sent, mut refused) = (0u64, 0u64);
-    // Published rows; or those set aside, which are not.
     // Published rows; or those set aside, which are not, found from their failure records
     // (few, and indexed) rather than by walking the outbox.
     let (from, which) = match f.set_aside {
