@@ -38,7 +38,10 @@ impl std::fmt::Debug for Login {
 /// Creates the plugin's login role if needed (with at most `connection_limit` sessions), makes
 /// the host a member of it, and returns its password.
 pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: u32) -> Result<String> {
-    let stored = stored(conn, role).await?;
+    let stored: Option<String> = sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
+        .bind(role)
+        .fetch_optional(&mut *conn)
+        .await?;
     let limit: Option<i32> = sqlx::query_scalar("SELECT rolconnlimit FROM pg_catalog.pg_roles WHERE rolname = $1")
         .bind(role)
         .fetch_optional(&mut *conn)
@@ -61,14 +64,6 @@ pub async fn ensure_role(conn: &mut PgConnection, role: &str, connection_limit: 
         .await
         .with_context(|| format!("granting the host the privileges of {role}"))?;
     Ok(password)
-}
-
-/// The password stored for `role`, if any.
-pub async fn stored(conn: &mut PgConnection, role: &str) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar("SELECT password FROM obx.plugin_credential WHERE role_name = $1")
-        .bind(role)
-        .fetch_optional(conn)
-        .await
 }
 
 /// What [`renew`] came to.

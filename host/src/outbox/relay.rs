@@ -93,6 +93,23 @@ pub struct OutboxRow {
 }
 
 /// The columns [`OutboxRow`] reads, for the SELECTs of the relay and of replay.
+/// Marks rows `ids` published, those the broker acknowledged, and forgets their failures.
+/// A row already published keeps its time (a replay of rows set aside may run twice).
+pub(super) async fn mark_published<'c>(conn: impl sqlx::PgExecutor<'c>, ids: &[i64]) -> sqlx::Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "WITH marked AS (UPDATE obx.outbox_event SET published_at = now() \
+                         WHERE id = ANY($1) AND published_at IS NULL RETURNING id) \
+         DELETE FROM obx.outbox_delivery_failure WHERE outbox_id IN (SELECT id FROM marked)",
+    )
+    .bind(ids)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
      o.payload::text AS payload, o.topic, o.partition_key, o.created_at, \
      obx.outbox_shard(o.partition_key) AS shard, o.traceparent, o.plugin_name";
@@ -769,15 +786,7 @@ impl Relay {
         let acked_at = started.elapsed();
         // Mark what the broker acknowledged; record what it refused.
         let acked_ids: Vec<i64> = acked.iter().map(|r| r.id).collect();
-        if !acked_ids.is_empty() {
-            sqlx::query(
-                "WITH marked AS (UPDATE obx.outbox_event SET published_at = now() WHERE id = ANY($1) RETURNING id) \
-                 DELETE FROM obx.outbox_delivery_failure WHERE outbox_id IN (SELECT id FROM marked)",
-            )
-            .bind(&acked_ids)
-            .execute(&mut *tx)
-            .await?;
-        }
+        mark_published(&mut *tx, &acked_ids).await?;
         // After the marks: a later row of a refused row's key may be among them.
         let in_flight = st.inflight.values().map(|f| &f.row);
         settle_again_alone(&mut tx, &mut st.alone, in_flight, st.sent_up_to, &mut refused).await?;

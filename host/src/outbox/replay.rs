@@ -23,7 +23,7 @@ use rdkafka::message::Header;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 
-use super::relay::{next_claim_limit, within_bytes, OutboxRow, OUTBOX_ROW_COLUMNS};
+use super::relay::{mark_published, next_claim_limit, within_bytes, OutboxRow, OUTBOX_ROW_COLUMNS};
 
 /// Which events to replay. Every given condition must hold; at least one must be given.
 #[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
@@ -180,7 +180,9 @@ pub async fn replay_until(
         }
         if f.set_aside {
             // Even when a later row was refused: those the broker took are not sent again.
-            published(pool, &acked).await?;
+            mark_published(pool, &acked)
+                .await
+                .context("marking the rows set aside as published")?;
         }
         outcome?;
         metrics::counter!("obx_outbox_replayed_total").increment(rows.len() as u64);
@@ -201,22 +203,4 @@ pub async fn replay_until(
         refused,
         next_from_id: None,
     })
-}
-
-/// Marks rows the relay had set aside as published, now that a replay sent them: the relay
-/// no longer counts them, and retention deletes them in time.
-async fn published(pool: &PgPool, ids: &[i64]) -> Result<()> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "WITH marked AS (UPDATE obx.outbox_event SET published_at = now() \
-                         WHERE id = ANY($1) AND published_at IS NULL RETURNING id) \
-         DELETE FROM obx.outbox_delivery_failure WHERE outbox_id IN (SELECT id FROM marked) AND set_aside",
-    )
-    .bind(ids)
-    .execute(pool)
-    .await
-    .context("marking the rows set aside as published")?;
-    Ok(())
 }
