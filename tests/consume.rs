@@ -554,7 +554,10 @@ async fn a_poison_event_is_parked_with_its_key_while_others_flow() {
     // A3 waits behind A2, in order.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(effects(&host, a3).await, 0, "A3 overtook the parked A2");
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].waiting), (1, 1));
 
     // The operator fixes the cause and retries: A2 then A3 run, in that order.
@@ -627,6 +630,77 @@ async fn cure_and_retry(host: &TestHost, dead_id: i64, a2: uuid::Uuid, a3: uuid:
         effects(host, a2).await == 1 && effects(host, a3).await == 1
     })
     .await;
+}
+
+/// The operator's lists answer a page at a time, and their `Link` headers lead through every
+/// row once, in the list's order: 2,500 dead letters (the lists were cut at 1,000 without a
+/// word), quarantined messages, and timers that share a due time (their names order them).
+/// A limit out of range or a cursor the list did not give is a 400.
+#[tokio::test]
+async fn the_operators_lists_come_in_pages_that_hold_every_row_once() {
+    let host = spawn_host(&["testbed"]).await;
+    for setup in [
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, parked) \
+         SELECT 'ghost', gen_random_uuid(), 't', '{}', 'Thing', true FROM generate_series(1, 2500)",
+        "INSERT INTO obx.dead_letter (consumer, event_id, topic, event_type, error, attempts) \
+         SELECT consumer, event_id, topic, event_type, 'failed', 1 FROM obx.inbox_event WHERE consumer = 'ghost'",
+        "INSERT INTO obx.quarantine (consumer, topic, kafka_partition, kafka_offset, headers, reason) \
+         SELECT 'ghost', 't', 0, n, '{}', 'no eventId' FROM generate_series(1, 5) n",
+        "INSERT INTO obx.timer (plugin, name, key, due_at, payload) \
+         SELECT 'ghost', 't', n::text, '2100-01-01', '{}' FROM generate_series(1, 7) n",
+    ] {
+        sqlx::query(setup).execute(&host.db).await.unwrap();
+    }
+
+    let (letters, pages) = walk_pages(&host, "/v1/dlq?plugin=ghost").await;
+    assert_eq!((letters.len(), pages), (2500, 3));
+    let ids: Vec<i64> = letters.iter().map(|d| d["id"].as_i64().unwrap()).collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] > w[1]),
+        "dead letters newest first, each once"
+    );
+    let (quarantined, pages) = walk_pages(&host, "/v1/quarantine?plugin=ghost&limit=2").await;
+    assert_eq!((quarantined.len(), pages), (5, 3));
+    let ids: Vec<i64> = quarantined.iter().map(|q| q["id"].as_i64().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[0] > w[1]), "{ids:?}");
+    let (timers, pages) = walk_pages(&host, "/v1/timers?plugin=ghost&limit=3").await;
+    let keys: Vec<&str> = timers.iter().map(|t| t["key"].as_str().unwrap()).collect();
+    assert_eq!((keys, pages), (vec!["1", "2", "3", "4", "5", "6", "7"], 3));
+
+    for bad in [
+        "/v1/dlq?limit=0",
+        "/v1/dlq?limit=1001",
+        "/v1/dlq?after=x",
+        "/v1/quarantine?after=-",
+        "/v1/timers?after=zz",
+        "/v1/timers?after=00",
+    ] {
+        let answer = host.get(bad).await;
+        assert_eq!(
+            (answer.status, answer.code()),
+            (400, "bad_request"),
+            "{bad}: {}",
+            answer.text
+        );
+    }
+    host.shutdown().await;
+}
+
+/// Every row of a list, from `first` on through its `Link` headers, and how many pages it took.
+async fn walk_pages(host: &TestHost, first: &str) -> (Vec<serde_json::Value>, usize) {
+    let (mut rows, mut pages, mut path) = (Vec::new(), 0, first.to_string());
+    loop {
+        let answer = host.get(&path).await;
+        assert_eq!(answer.status, 200, "{path}: {}", answer.text);
+        rows.extend(answer.body.as_array().expect("a list is an array").iter().cloned());
+        pages += 1;
+        let Some(link) = answer.headers.get("link") else {
+            return (rows, pages);
+        };
+        let link = link.to_str().unwrap();
+        assert!(link.ends_with("; rel=\"next\""), "{link}");
+        path = link.split_once('<').unwrap().1.split_once('>').unwrap().0.to_string();
+    }
 }
 
 /// Events A1-A6 and B1-B6, interleaved; A4 carries `defer_violation` (what its handler leaves
@@ -705,7 +779,10 @@ async fn poison_in_a_batch(poison: serde_json::Value) {
     })
     .await;
     a4_parked_while_b_flows(&host, &a, &b).await;
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].waiting), (1, 2));
     assert_eq!(letters[0].attempts, 2);
     // Every effect once, each key in order.
@@ -763,7 +840,10 @@ async fn every_failure_a_batch_meets_counts_as_an_attempt_even_when_its_redo_fai
         "the flaky event ran in a batch with the poison event, again without it, then alone"
     );
     assert_eq!(effects(&host, flaky).await, 1);
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters[0].event_id, letters[0].attempts), (poison, 3));
     let runs = host.count("SELECT last_value FROM testbed.poison_runs").await;
     assert_eq!(
@@ -792,7 +872,10 @@ async fn a_refused_commit_parks_its_event(logical: &str, defer_violation: serde_
     })
     .await;
     a4_parked_while_b_flows(&host, &a, &b).await;
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
     assert_eq!(letters[0].event_id, a[3]);
     assert!(letters[0].error.contains("commit was refused"), "{}", letters[0].error);
@@ -899,7 +982,10 @@ async fn a_handler_blocked_in_the_host_is_parked(logical: &str) {
     })
     .await;
     a4_parked_while_b_flows(&host, &a, &b).await;
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
     assert_eq!(letters[0].event_id, a[3]);
     assert_each_effect_once(&host, 9).await;
@@ -959,7 +1045,10 @@ async fn a_commit_cut_off_parks_its_event(logical: &str) {
     })
     .await;
     a4_parked_while_b_flows(&host, &a, &b).await;
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].attempts), (1, 2), "{logical}");
     assert_eq!(letters[0].event_id, a[3]);
     assert!(letters[0].error.contains("cut off"), "{}", letters[0].error);
@@ -1109,7 +1198,10 @@ async fn inbox_poison_in_a_batch(poison: serde_json::Value) {
     );
     assert_each_effect_once(&host, 45).await;
     assert_eq!(effects(&host, ids[31]).await, 0);
-    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false).await.unwrap();
+    let letters = obx::inbox::dlq::list(&host.db, Some("testbed"), false, &Default::default())
+        .await
+        .unwrap()
+        .rows;
     assert_eq!((letters.len(), letters[0].waiting, letters[0].attempts), (1, 14, 2));
     let disorder = key_disorder(&host).await;
     assert_eq!(disorder, 0, "per-key order across batches");

@@ -20,6 +20,7 @@ pub mod jsonb;
 pub mod kafka;
 pub mod otel;
 pub mod outbox;
+pub mod paging;
 pub mod retention;
 pub mod runtime;
 pub mod scaffold;

@@ -41,6 +41,7 @@ use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::{Dispatcher, Emitted, EventFailure};
 use crate::inbox::backoff;
+use crate::paging::{ListError, Page, PageRequest};
 use crate::runtime::bindings::timer_guest;
 use crate::runtime::registry::Registry;
 use crate::runtime::Plugin;
@@ -96,22 +97,40 @@ pub struct TimerRow {
     pub scheduled_at: chrono::DateTime<chrono::Utc>,
 }
 
-/// The most timers one listing returns.
-pub const LIST_LIMIT: i64 = 1000;
-
-/// Timers, earliest due first (parked ones only, if asked), at most [`LIST_LIMIT`].
-pub async fn list(pool: &sqlx::PgPool, plugin: Option<&str>, parked: bool) -> sqlx::Result<Vec<TimerRow>> {
-    sqlx::query_as(
+/// A page of timers, earliest due first (parked ones only, if asked). The cursor is the last
+/// timer listed, its due time and its name, as opaque hex.
+pub async fn list(
+    pool: &sqlx::PgPool,
+    plugin: Option<&str>,
+    parked: bool,
+    page: &PageRequest,
+) -> Result<Page<TimerRow>, ListError> {
+    let size = page.rows()?;
+    let after: Option<TimerCursor> = page.cursor(|a| serde_json::from_slice(&hex::decode(a).ok()?).ok())?;
+    let rows = sqlx::query_as(
         "SELECT plugin, name, key, due_at, attempts, last_error, parked_at, scheduled_at FROM obx.timer \
          WHERE ($1::text IS NULL OR plugin = $1) AND (NOT $2 OR parked_at IS NOT NULL) \
-         ORDER BY due_at LIMIT $3",
+           AND ($3::timestamptz IS NULL OR (due_at, plugin, name, key) > ($3, $4, $5, $6)) \
+         ORDER BY due_at, plugin, name, key LIMIT $7",
     )
     .bind(plugin)
     .bind(parked)
-    .bind(LIST_LIMIT)
+    .bind(after.as_ref().map(|c| c.0))
+    .bind(after.as_ref().map(|c| &c.1))
+    .bind(after.as_ref().map(|c| &c.2))
+    .bind(after.as_ref().map(|c| &c.3))
+    .bind(size + 1)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(Page::of(rows, size, |t: &TimerRow| {
+        let cursor = TimerCursor(t.due_at, t.plugin.clone(), t.name.clone(), t.key.clone());
+        hex::encode(serde_json::to_vec(&cursor).expect("a cursor serialises"))
+    }))
 }
+
+/// Where a page of timers ends: the last one's due time, plugin, name and key.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct TimerCursor(chrono::DateTime<chrono::Utc>, String, String, String);
 
 /// A timer, named: (plugin, name, key).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]

@@ -150,6 +150,17 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     };
     assert_eq!(run(&["dlq", "list"]).trim(), "no parked events");
     assert_eq!(run(&["dlq", "quarantine"]).trim(), "no quarantined messages");
+    assert_eq!(run(&["timers", "list", "--limit", "1"]).trim(), "no timers");
+    let refused = obx()
+        .args(["timers", "list", "--limit", "0", "--url", &base])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("limit must be between 1 and 1000"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     // A replay sends published events only: the order's event, once the relay has sent it.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {

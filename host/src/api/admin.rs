@@ -10,12 +10,16 @@
 //! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins;
 //! * `GET /v1/timers?plugin=&parked=` — durable timers, earliest due first;
 //! * `POST /v1/timers/cancel`, `POST /v1/timers/retry` with `{"plugin", "name", "key"}`.
+//!
+//! The three lists answer in pages (`crate::paging`): `limit=` rows at most (1 to 1,000, and
+//! 1,000 if not given), and when there are more, a `Link` header with the next page's
+//! address (`rel="next"`, its cursor as `after=`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -24,6 +28,7 @@ use serde_json::json;
 use super::{error_response, AppState};
 use crate::inbox::dlq::{self, DlqError};
 use crate::outbox::replay::ReplayFilter;
+use crate::paging::{ListError, Page, PageRequest};
 use crate::timers::TimerId;
 
 #[derive(Deserialize)]
@@ -31,12 +36,31 @@ pub struct DlqQuery {
     plugin: Option<String>,
     #[serde(default)]
     all: bool,
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+impl DlqQuery {
+    fn page(&self) -> PageRequest {
+        PageRequest {
+            after: self.after.clone(),
+            limit: self.limit,
+        }
+    }
+
+    /// The query of the next page, but its cursor.
+    fn pairs(&self) -> Vec<(&'static str, String)> {
+        let mut pairs = vec![("all", self.all.to_string())];
+        pairs.extend(self.plugin.clone().map(|p| ("plugin", p)));
+        pairs.extend(self.limit.map(|n| ("limit", n.to_string())));
+        pairs
+    }
 }
 
 pub async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
-    match dlq::list(&state.admin_pool, q.plugin.as_deref(), q.all).await {
-        Ok(letters) => Json(letters).into_response(),
-        Err(e) => database_error(e.into()),
+    match dlq::list(&state.admin_pool, q.plugin.as_deref(), q.all, &q.page()).await {
+        Ok(page) => page_response("/v1/dlq", q.pairs(), page),
+        Err(e) => list_error(e),
     }
 }
 
@@ -61,12 +85,23 @@ pub struct TimersQuery {
     plugin: Option<String>,
     #[serde(default)]
     parked: bool,
+    after: Option<String>,
+    limit: Option<i64>,
 }
 
 pub async fn timers_list(State(state): State<Arc<AppState>>, Query(q): Query<TimersQuery>) -> Response {
-    match crate::timers::list(&state.admin_pool, q.plugin.as_deref(), q.parked).await {
-        Ok(rows) => Json(rows).into_response(),
-        Err(e) => database_error(e.into()),
+    let page = PageRequest {
+        after: q.after,
+        limit: q.limit,
+    };
+    match crate::timers::list(&state.admin_pool, q.plugin.as_deref(), q.parked, &page).await {
+        Ok(rows) => {
+            let mut pairs = vec![("parked", q.parked.to_string())];
+            pairs.extend(q.plugin.map(|p| ("plugin", p)));
+            pairs.extend(q.limit.map(|n| ("limit", n.to_string())));
+            page_response("/v1/timers", pairs, rows)
+        }
+        Err(e) => list_error(e),
     }
 }
 
@@ -87,9 +122,33 @@ pub async fn timers_retry(State(state): State<Arc<AppState>>, Json(id): Json<Tim
 }
 
 pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
-    match dlq::quarantined(&state.admin_pool, q.plugin.as_deref()).await {
-        Ok(rows) => Json(rows).into_response(),
-        Err(e) => database_error(e.into()),
+    match dlq::quarantined(&state.admin_pool, q.plugin.as_deref(), &q.page()).await {
+        Ok(page) => page_response("/v1/quarantine", q.pairs(), page),
+        Err(e) => list_error(e),
+    }
+}
+
+/// A page of a listing: its rows as the body, a JSON array as before listings had pages, and,
+/// when there are more, the next page's address in a `Link` header (`rel="next"`): `path`
+/// with `pairs` and the page's cursor as `after`.
+fn page_response<T: serde::Serialize>(path: &str, mut pairs: Vec<(&str, String)>, page: Page<T>) -> Response {
+    let mut response = Json(page.rows).into_response();
+    if let Some(next) = page.next {
+        pairs.push(("after", next));
+        let query = url::form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(pairs)
+            .finish();
+        let link = HeaderValue::from_str(&format!("<{path}?{query}>; rel=\"next\""))
+            .expect("an encoded query is a header value");
+        response.headers_mut().insert(header::LINK, link);
+    }
+    response
+}
+
+fn list_error(e: ListError) -> Response {
+    match e {
+        ListError::Page(e) => error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+        ListError::Database(e) => database_error(e.into()),
     }
 }
 

@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use sqlx::PgPool;
 
-use super::{DlqCommand, HostArgs, TimersCommand};
+use super::{DlqCommand, HostArgs, PageArgs, TimersCommand};
 use crate::config::Config;
+use crate::paging::Page;
 
 /// A running host's admin API.
 struct Admin {
@@ -48,7 +49,34 @@ impl Admin {
             .await
     }
 
-    async fn send(&self, mut request: reqwest::RequestBuilder) -> Result<serde_json::Value> {
+    /// A page of the list at `path`, its filter in `query`: the rows, and the cursor of the
+    /// next page from the answer's `Link` header.
+    async fn page<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        mut query: Vec<(&'static str, String)>,
+        page: &PageArgs,
+    ) -> Result<Page<T>> {
+        query.extend(page.after.clone().map(|a| ("after", a)));
+        query.extend(page.limit.map(|n| ("limit", n.to_string())));
+        let request = self.client.get(format!("{}{path}", self.base)).query(&query);
+        let (body, headers) = self.send_for_headers(request).await?;
+        let rows = serde_json::from_value(body).with_context(|| format!("reading {}'s list", self.base))?;
+        let next = headers
+            .get(reqwest::header::LINK)
+            .and_then(|v| v.to_str().ok())
+            .and_then(next_cursor);
+        Ok(Page { rows, next })
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> Result<serde_json::Value> {
+        Ok(self.send_for_headers(request).await?.0)
+    }
+
+    async fn send_for_headers(
+        &self,
+        mut request: reqwest::RequestBuilder,
+    ) -> Result<(serde_json::Value, reqwest::header::HeaderMap)> {
         request = request.timeout(self.timeout);
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
@@ -61,6 +89,7 @@ impl Admin {
             )
         })?;
         let code = response.status();
+        let headers = response.headers().clone();
         let text = response
             .text()
             .await
@@ -74,7 +103,24 @@ impl Admin {
             };
             anyhow::bail!("{base} answered {code}: {message}");
         }
-        body.with_context(|| format!("reading {base}'s answer: it is not JSON"))
+        let body = body.with_context(|| format!("reading {base}'s answer: it is not JSON"))?;
+        Ok((body, headers))
+    }
+}
+
+/// The cursor `after` of a `Link: <...>; rel="next"` header's address.
+fn next_cursor(link: &str) -> Option<String> {
+    let address = link.split_once('<')?.1.split_once('>')?.0;
+    let query = address.split_once('?')?.1;
+    url::form_urlencoded::parse(query.as_bytes())
+        .find(|(k, _)| k == "after")
+        .map(|(_, v)| v.into_owned())
+}
+
+/// After a page of a list: how to print the next one, if there is one.
+fn say_more(next: Option<&str>, command: &str) {
+    if let Some(after) = next {
+        eprintln!("(more past these: `{command} --after {after}`, with the same filters)");
     }
 }
 
@@ -221,12 +267,15 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
     let config = Config::load(config.as_deref())?;
     let target = Target::of(&config, &host).await?;
     match command {
-        DlqCommand::List { plugin, all, json } => {
-            let letters: Vec<dlq::DeadLetter> = match &target {
-                Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all).await?,
-                Target::Host(admin) => {
-                    serde_json::from_value(admin.get("/v1/dlq", &dlq_query(plugin.clone(), all)).await?)?
-                }
+        DlqCommand::List {
+            plugin,
+            all,
+            json,
+            page,
+        } => {
+            let Page { rows: letters, next } = match &target {
+                Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all, &page.request()).await?,
+                Target::Host(admin) => admin.page("/v1/dlq", dlq_query(plugin.clone(), all), &page).await?,
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -252,6 +301,7 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                     );
                 }
             }
+            say_more(next.as_deref(), "obx dlq list");
         }
         DlqCommand::Retry { ids } | DlqCommand::Discard { ids } if ids.is_empty() => {
             anyhow::bail!("give the ids of the dead letters (see `obx dlq list`)");
@@ -274,11 +324,13 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                 println!("{id}: discarded");
             }
         }
-        DlqCommand::Quarantine { plugin, json } => {
-            let rows: Vec<dlq::Quarantined> = match &target {
-                Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref()).await?,
+        DlqCommand::Quarantine { plugin, json, page } => {
+            let Page { rows, next } = match &target {
+                Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref(), &page.request()).await?,
                 Target::Host(admin) => {
-                    serde_json::from_value(admin.get("/v1/quarantine", &dlq_query(plugin.clone(), false)).await?)?
+                    admin
+                        .page("/v1/quarantine", dlq_query(plugin.clone(), false), &page)
+                        .await?
                 }
             };
             if json {
@@ -293,6 +345,7 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                     );
                 }
             }
+            say_more(next.as_deref(), "obx dlq quarantine");
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -303,13 +356,18 @@ pub(super) async fn timers(config: Option<PathBuf>, host: HostArgs, command: Tim
     let config = Config::load(config.as_deref())?;
     let target = Target::of(&config, &host).await?;
     match command {
-        TimersCommand::List { plugin, parked, json } => {
-            let rows: Vec<TimerRow> = match &target {
-                Target::Database(pool) => timers::list(pool, plugin.as_deref(), parked).await?,
+        TimersCommand::List {
+            plugin,
+            parked,
+            json,
+            page,
+        } => {
+            let Page { rows, next } = match &target {
+                Target::Database(pool) => timers::list(pool, plugin.as_deref(), parked, &page.request()).await?,
                 Target::Host(admin) => {
                     let mut query = vec![("parked", parked.to_string())];
                     query.extend(plugin.map(|p| ("plugin", p)));
-                    serde_json::from_value(admin.get("/v1/timers", &query).await?)?
+                    admin.page::<TimerRow>("/v1/timers", query, &page).await?
                 }
             };
             if json {
@@ -333,6 +391,7 @@ pub(super) async fn timers(config: Option<PathBuf>, host: HostArgs, command: Tim
                     .collect();
                 print_table(&["plugin", "name", "key", "due", "state", "last error"], &cells);
             }
+            say_more(next.as_deref(), "obx timers list");
         }
         TimersCommand::Cancel { plugin, name, key } | TimersCommand::Retry { plugin, name, key }
             if plugin.is_empty() || name.is_empty() || key.is_empty() =>
@@ -415,4 +474,21 @@ pub(super) async fn outbox_replay(
         crate::outbox::replay::replay(&pool, &producer, &config.kafka, &filter, config.relay.batch_max_bytes).await?;
     println!("replayed {sent} events");
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_cursor;
+
+    #[test]
+    fn the_next_pages_cursor_is_read_from_the_link_header() {
+        let link = r#"</v1/timers?parked=false&plugin=a+b&after=7b2278227d>; rel="next""#;
+        assert_eq!(next_cursor(link).as_deref(), Some("7b2278227d"));
+        assert_eq!(
+            next_cursor("</v1/dlq?after=12%2B3>; rel=\"next\"").as_deref(),
+            Some("12+3")
+        );
+        assert_eq!(next_cursor("</v1/dlq?all=true>; rel=\"next\""), None);
+        assert_eq!(next_cursor("garbage"), None);
+    }
 }

@@ -128,7 +128,7 @@ enum ConfigCommand {
 
 #[derive(Subcommand)]
 enum TimersCommand {
-    /// Lists timers, earliest due first (at most 1,000).
+    /// Lists timers, earliest due first, a page at a time.
     List {
         /// Only this plugin's.
         #[arg(long)]
@@ -138,6 +138,8 @@ enum TimersCommand {
         parked: bool,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        page: PageArgs,
     },
     /// Cancels a timer, pending or parked: it never fires.
     Cancel { plugin: String, name: String, key: String },
@@ -157,6 +159,8 @@ enum DlqCommand {
         all: bool,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        page: PageArgs,
     },
     /// Sends parked events back to be processed, attempts reset; their keys follow in order.
     Retry { ids: Vec<i64> },
@@ -168,7 +172,30 @@ enum DlqCommand {
         plugin: Option<String>,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        page: PageArgs,
     },
+}
+
+/// Which page of a list to print. A list longer than a page ends with the `--after` that
+/// prints the next one (on stderr, so that `--json` stays one array).
+#[derive(clap::Args)]
+struct PageArgs {
+    /// Start past this point of the list: the cursor the previous page ended with.
+    #[arg(long)]
+    after: Option<String>,
+    /// At most this many rows (1 to 1,000; 1,000 if not given).
+    #[arg(long)]
+    limit: Option<i64>,
+}
+
+impl PageArgs {
+    fn request(&self) -> crate::paging::PageRequest {
+        crate::paging::PageRequest {
+            after: self.after.clone(),
+            limit: self.limit,
+        }
+    }
 }
 
 #[derive(Subcommand)]

@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::paging::{ListError, Page, PageRequest};
+
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct DeadLetter {
     pub id: i64,
@@ -47,9 +49,17 @@ pub enum DlqError {
     Database(#[from] sqlx::Error),
 }
 
-/// Dead letters, newest first: parked ones only, unless `all`.
-pub async fn list(pool: &PgPool, consumer: Option<&str>, all: bool) -> sqlx::Result<Vec<DeadLetter>> {
-    sqlx::query_as(
+/// A page of dead letters, newest first: parked ones only, unless `all`. The cursor is the
+/// last id listed.
+pub async fn list(
+    pool: &PgPool,
+    consumer: Option<&str>,
+    all: bool,
+    page: &PageRequest,
+) -> Result<Page<DeadLetter>, ListError> {
+    let size = page.rows()?;
+    let before = page.cursor(|a| a.parse::<i64>().ok())?;
+    let rows = sqlx::query_as(
         "SELECT d.id, d.consumer, d.event_id, d.topic, d.partition_key, d.event_type, d.error, d.attempts, \
                 d.status, d.parked_at, d.resolved_at, \
                 (SELECT count(*) FROM obx.inbox_event w \
@@ -58,12 +68,16 @@ pub async fn list(pool: &PgPool, consumer: Option<&str>, all: bool) -> sqlx::Res
                    AND w.event_id <> d.event_id) AS waiting \
          FROM obx.dead_letter d \
          WHERE ($1::text IS NULL OR d.consumer = $1) AND ($2 OR d.status = 'parked') \
-         ORDER BY d.id DESC LIMIT 1000",
+           AND ($3::bigint IS NULL OR d.id < $3) \
+         ORDER BY d.id DESC LIMIT $4",
     )
     .bind(consumer)
     .bind(all)
+    .bind(before)
+    .bind(size + 1)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(Page::of(rows, size, |d: &DeadLetter| d.id.to_string()))
 }
 
 /// Sends a parked event back to the inbox processors, with its attempts reset.
@@ -116,13 +130,22 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
     Ok(())
 }
 
-/// Quarantined messages, newest first.
-pub async fn quarantined(pool: &PgPool, consumer: Option<&str>) -> sqlx::Result<Vec<Quarantined>> {
-    sqlx::query_as(
+/// A page of quarantined messages, newest first. The cursor is the last id listed.
+pub async fn quarantined(
+    pool: &PgPool,
+    consumer: Option<&str>,
+    page: &PageRequest,
+) -> Result<Page<Quarantined>, ListError> {
+    let size = page.rows()?;
+    let before = page.cursor(|a| a.parse::<i64>().ok())?;
+    let rows = sqlx::query_as(
         "SELECT id, consumer, topic, kafka_partition, kafka_offset, reason, received_at FROM obx.quarantine \
-         WHERE ($1::text IS NULL OR consumer = $1) ORDER BY id DESC LIMIT 1000",
+         WHERE ($1::text IS NULL OR consumer = $1) AND ($2::bigint IS NULL OR id < $2) ORDER BY id DESC LIMIT $3",
     )
     .bind(consumer)
+    .bind(before)
+    .bind(size + 1)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(Page::of(rows, size, |q: &Quarantined| q.id.to_string()))
 }
