@@ -686,6 +686,39 @@ async fn the_operators_lists_come_in_pages_that_hold_every_row_once() {
     host.shutdown().await;
 }
 
+/// A dead letter's retry whose commit is still running at `http.request_timeout` (a trigger
+/// makes the update take 1.2 s and a deferred one the commit 1.5 s; the timeout is 2 s) is
+/// answered with what it came to, as a command is. It was 503 `timeout`, while Postgres went
+/// on to commit it: an operator was told the letter was still parked.
+#[tokio::test]
+async fn a_retry_still_committing_at_the_request_timeout_is_answered_done() {
+    let host = spawn_host_with(&[], |c| c.http.request_timeout = Duration::from_secs(2)).await;
+    for setup in [
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, parked) \
+         VALUES ('ghost', gen_random_uuid(), 't', '{}', 'Thing', true)",
+        "INSERT INTO obx.dead_letter (consumer, event_id, topic, event_type, error, attempts) \
+         SELECT consumer, event_id, topic, event_type, 'failed', 1 FROM obx.inbox_event",
+        "CREATE FUNCTION public.slow_update() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(1.2); RETURN NEW; END $$",
+        "CREATE TRIGGER slow_update BEFORE UPDATE ON obx.dead_letter FOR EACH ROW EXECUTE FUNCTION public.slow_update()",
+        "CREATE FUNCTION public.slow_commit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$",
+        "CREATE CONSTRAINT TRIGGER slow_commit AFTER UPDATE ON obx.dead_letter \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.slow_commit()",
+    ] {
+        sqlx::query(setup).execute(&host.db).await.unwrap();
+    }
+    let id = host.count("SELECT id FROM obx.dead_letter").await;
+    let answer = host.post_json(&format!("/v1/dlq/{id}/retry"), json!({})).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert_eq!(answer.body["status"], "retried", "{}", answer.text);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'retried'").await,
+        1
+    );
+    host.shutdown().await;
+}
+
 /// Every row of a list, from `first` on through its `Link` headers, and how many pages it took.
 async fn walk_pages(host: &TestHost, first: &str) -> (Vec<serde_json::Value>, usize) {
     let (mut rows, mut pages, mut path) = (Vec::new(), 0, first.to_string());

@@ -1,7 +1,7 @@
 //! `http.request_timeout`, with the status that says whose time ran out: 408 when the
-//! request's body had not all arrived (the client was slow, and a retry on a better link may
-//! succeed), 503 when the host was still handling it, before any commit. A command already
-//! committing is given its outcome (see [`deadline`]). The same answers end the requests
+//! handling was waiting for more of the request's body (the client was slow, and a retry on a
+//! better link may succeed), 503 when the host was still handling it, before any commit. A command or an
+//! admin action already committing is given its outcome (see [`deadline`]). The same answers end the requests
 //! still running when a stopping host winds its connections down ([`Deadline::winding_down`]).
 
 use std::pin::Pin;
@@ -31,17 +31,19 @@ pub struct Deadline {
     pub winding_down: watch::Receiver<bool>,
 }
 
-/// Runs the request within `timeout`, which starts when its head has arrived. A command
-/// whose `COMMIT` was sent by then is waited for one more `timeout` and answered with its
-/// outcome: Postgres commits it whatever the host does, and a client told 503 would run it
-/// again. Past that, 504 `outcome_unknown`. A host winding down ends it early, the same way.
+/// Runs the request within `timeout`, which starts when its head has arrived. A command, or
+/// an admin action (a dead letter retried or discarded, a timer cancelled or retried), whose
+/// commit was sent by then is waited for one more `timeout` and answered with its outcome:
+/// Postgres commits it whatever the host does, and a client told 503 would run a command
+/// again, or believe a dead letter still parked. Past that, 504 `outcome_unknown`. A host
+/// winding down ends it early, the same way.
 pub async fn deadline(State(bounds): State<Deadline>, request: Request, next: Next) -> Response {
     let (timeout, mut winding_down) = (bounds.timeout, bounds.winding_down);
-    let received = Arc::new(AtomicBool::new(request.body().is_end_stream()));
+    let awaiting_body = Arc::new(AtomicBool::new(false));
     let request = request.map(|body| {
-        Body::new(Received {
+        Body::new(Watched {
             body,
-            received: received.clone(),
+            awaiting: awaiting_body.clone(),
         })
     });
     let committing = Arc::new(AtomicBool::new(false));
@@ -66,7 +68,7 @@ pub async fn deadline(State(bounds): State<Deadline>, request: Request, next: Ne
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return response;
     }
-    if !received.load(Ordering::Acquire) {
+    if awaiting_body.load(Ordering::Acquire) {
         let mut response = error_response(
             StatusCode::REQUEST_TIMEOUT,
             "request_timeout",
@@ -90,28 +92,30 @@ pub async fn deadline(State(bounds): State<Deadline>, request: Request, next: Ne
         Err(_) => error_response(
             StatusCode::GATEWAY_TIMEOUT,
             "outcome_unknown",
-            "the command's commit did not finish within twice http.request_timeout: it may have \
-             taken effect; a retry with the same Idempotency-Key answers what it came to",
+            "the commit did not finish within twice http.request_timeout: it may have taken effect \
+             (for a command, a retry with the same Idempotency-Key answers what it came to)",
         ),
     }
 }
 
-/// A request body that says when its end has been read.
-struct Received {
+/// A request body that says whether the request's handling waits for more of it: the last
+/// read found nothing there yet. Only then is a request cut off at its deadline the client's
+/// doing. Whether the body had all arrived was not the question: a handler that takes no body
+/// (a dead letter's retry, whose body the command line sends as `null`) never reads its end,
+/// and its own slowness was answered 408, with the blame on the client.
+struct Watched {
     body: Body,
-    received: Arc<AtomicBool>,
+    awaiting: Arc<AtomicBool>,
 }
 
-impl HttpBody for Received {
+impl HttpBody for Watched {
     type Data = Bytes;
     type Error = axum::Error;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.body).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) || this.body.is_end_stream() {
-            this.received.store(true, Ordering::Release);
-        }
+        this.awaiting.store(polled.is_pending(), Ordering::Release);
         polled
     }
 

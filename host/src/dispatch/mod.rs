@@ -48,6 +48,13 @@ pub async fn noting_commit<F: std::future::Future>(sent: Arc<AtomicBool>, work: 
     COMMIT_SENT.scope(sent, work).await
 }
 
+/// Notes that the work [`noting_commit`] runs is about to send a commit (a `COMMIT`, or a
+/// statement that commits on its own): a command's, or an admin action's. Outside such work,
+/// nothing.
+pub(crate) fn commit_sent() {
+    let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Release));
+}
+
 pub struct Dispatcher {
     /// The host's own pool, for bookkeeping outside plugin transactions.
     pub(crate) pool: PgPool,
@@ -319,7 +326,7 @@ impl Dispatcher {
         if let Some((key, status, body)) = answer {
             idempotency::store_answer_at_commit(&mut tx, key, status, body);
         }
-        let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Release));
+        commit_sent();
         tx.commit()
             .await
             .map_err(|e| match (crate::db::refused_for_content(&e), e.as_database_error()) {
