@@ -274,8 +274,16 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
     .await;
 
     // A session where the plugin made a prepared statement (one could take the name of the
-    // host's own), or ended the host's transaction itself, is closed after the call.
-    for tamper in ["DO $$ BEGIN EXECUTE 'PREPARE planted AS SELECT 1'; END $$", "COMMIT"] {
+    // host's own), or ended the host's transaction itself, is closed after the call. A call
+    // whose transaction the plugin ended fails at its commit, and what the host writes at
+    // the commit (its outbox rows, its Idempotency-Key answer) is not committed: it was,
+    // in the round trip's implicit transaction, beside writes the plugin had rolled back.
+    for tamper in [
+        "DO $$ BEGIN EXECUTE 'PREPARE planted AS SELECT 1'; END $$",
+        "COMMIT",
+        "ROLLBACK",
+        "ROLLBACK; BEGIN",
+    ] {
         let mut tx = sessions.begin("testbed").await.unwrap();
         let pid = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap().get::<i32, _>(0);
         sqlx::raw_sql(tamper).execute(&mut *tx).await.unwrap();
@@ -283,7 +291,24 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
             .execute(&mut *tx)
             .await
             .unwrap();
-        tx.commit().await.unwrap();
+        tx.write_at_commit("INSERT INTO testbed.items (id, note) VALUES ('at-commit', 'host')".into());
+        let committed = tx.commit().await;
+        let at_commit = host
+            .count("SELECT count(*) FROM testbed.items WHERE id = 'at-commit'")
+            .await;
+        if tamper.starts_with("DO") {
+            committed.unwrap();
+            assert_eq!(at_commit, 1);
+            sqlx::query("DELETE FROM testbed.items")
+                .execute(&host.db)
+                .await
+                .unwrap();
+        } else {
+            let e = committed.expect_err(tamper);
+            let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+            assert_eq!(code.as_deref(), Some("OBX01"), "{tamper}: {e}");
+            assert_eq!(at_commit, 0, "{tamper}: the host's writes at the commit went through");
+        }
         let mut tx = sessions.begin("testbed").await.unwrap();
         let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
         assert_ne!(after.get::<i32, _>(0), pid, "{tamper}: the session was reused");

@@ -713,7 +713,8 @@ async fn a_retry_still_committing_at_the_request_timeout_is_answered_done() {
     assert_eq!(answer.status, 200, "{}", answer.text);
     assert_eq!(answer.body["status"], "retried", "{}", answer.text);
     assert_eq!(
-        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'retried'").await,
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'retried'")
+            .await,
         1
     );
     host.shutdown().await;

@@ -556,6 +556,7 @@ mod tests {
         (23, "924846e7b32b22c9ef2abc6da8d9d529"),
         (24, "07642e6b887df6d4ca8873f740e1a9ab"),
         (25, "cba906ccb613a979ad466790dc3e4fa5"),
+        (26, "7bf88b6e418aa59c81c144beb66551ba"),
     ];
 
     #[test]

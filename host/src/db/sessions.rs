@@ -73,12 +73,20 @@ pub enum SessionError {
 /// advisory locks. The reads at both ends of a call are `obx_api` functions (migration
 /// 0003), whose plans the session keeps: sent as text they were planned anew at every call.
 const BEGIN: &str = "BEGIN; SELECT * FROM obx_api.call_begin()";
-/// Read before the commit: the start of the transaction (a plugin that ended the host's
-/// transaction itself is in another one). It also releases session advisory locks.
-/// Prepared statements are counted once per call, at the next `BEGIN`: a statement SQL made
-/// during a call can only act within the plugin's own call, and the session is closed before
-/// it serves another.
-const CHECK: &str = "SELECT * FROM obx_api.call_check()";
+/// Sent before the commit, with the start of the call's transaction as `BEGIN` read it: it
+/// raises [`ANOTHER_TRANSACTION`] if the transaction open now began at another time (a
+/// plugin that ended the host's transaction itself is in another one, or in none), which ends
+/// the round trip before its outbox rows, its answer and its `COMMIT`. It also releases
+/// session advisory locks. Prepared statements are counted once per call, at the next
+/// `BEGIN`: a statement SQL made during a call can only act within the plugin's own call, and
+/// the session is closed before it serves another.
+fn check(started: i64) -> String {
+    format!("SELECT * FROM obx_api.call_check({started})")
+}
+
+/// The SQLSTATE of `obx_api.call_check` refusing to go on in a transaction that is not the
+/// call's own (migration 0026).
+const ANOTHER_TRANSACTION: &str = "OBX01";
 /// Clears what a statement could leave on a session: cursors, `LISTEN`s, settings and the
 /// role, temporary objects, sequence state. Sent after the `COMMIT` or `ROLLBACK`, in the
 /// same round trip, so that it also clears what plugin code did during the commit.
@@ -438,8 +446,8 @@ impl PluginTx {
 
     /// Ends the transaction and clears the session in one round trip, after the commit or
     /// rollback, so that what plugin code did during a commit is cleared too. Before a
-    /// commit, [`CHECK`] reads whether the plugin ended the host's transaction itself; if it
-    /// did, the session is closed even when the commit went through. The statements given to
+    /// commit, [`check`] refuses to go on if the plugin ended the host's transaction itself:
+    /// nothing more of the round trip runs, the commit fails, and the session is closed. The statements given to
     /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. An error after
     /// the `COMMIT` completed (a cancel a sibling session of the plugin sent, a statement
     /// timeout the plugin set, a shutdown in the clearing) leaves the commit standing: the
@@ -449,7 +457,7 @@ impl PluginTx {
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
             let sent = Instant::now();
-            let sql = format!("{CHECK}; {at_commit}COMMIT; {CLEAR}");
+            let sql = format!("{}; {at_commit}COMMIT; {CLEAR}", check(self.started));
             let before_commit = 1 + std::mem::take(&mut self.at_commit_statements);
             let round_trip = commit_round_trip(conn, &sql, before_commit);
             self.committing = Some(sent);
@@ -466,7 +474,13 @@ impl PluginTx {
                 )));
             };
             warn_if_slow(&self.role, "commit", sent, reply.is_ok());
-            let reply = reply?;
+            let reply = reply.inspect_err(|e| {
+                if let sqlx::Error::Database(db) = e {
+                    if db.code().as_deref() == Some(ANOTHER_TRANSACTION) {
+                        tampered(&self.role, "the plugin ended the host's transaction itself");
+                    }
+                }
+            })?;
             if reply.started != Some(self.started) {
                 tampered(&self.role, "the plugin ended the host's transaction itself");
                 // `Drop` closes it.
