@@ -1168,6 +1168,59 @@ async fn a_refused_row_holds_up_its_key_on_its_topic_only() {
     host.shutdown().await;
 }
 
+/// A row the broker refuses more than a thousand times still has its refusal recorded, with
+/// the longest backoff. The backoff was `power(2, attempts)` seconds capped after the fact: past
+/// 1,023 attempts (8.5 hours of a missing ACL at a 30 s backoff) the double overflowed, the
+/// record failed, and with it every step of the relay that held the row's shard, each one
+/// sending its other rows again.
+#[tokio::test]
+async fn a_row_refused_more_than_a_thousand_times_has_its_refusal_recorded() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to refuse produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.backoff_max = Duration::from_secs(5);
+    })
+    .await;
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "first", "topic": topic("alpha"), "key": "k" }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    all_published(&host, 1).await;
+    // As if the broker had refused the row 1,100 times, and it were due again.
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+        1,
+    );
+    sqlx::raw_sql(
+        "UPDATE obx.outbox_event SET published_at = NULL; \
+         INSERT INTO obx.outbox_delivery_failure (outbox_id, topic, partition_key, attempts, last_error, next_attempt_at) \
+         SELECT id, topic, partition_key, 1100, 'refused', now() - interval '1 second' FROM obx.outbox_event",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(10), "the 1,101st refusal recorded", || async {
+        host.count(
+            "SELECT count(*) FROM obx.outbox_delivery_failure \
+             WHERE attempts = 1101 AND next_attempt_at > now() + interval '3 seconds'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    all_published(&host, 1).await;
+    host.shutdown().await;
+}
+
 /// A relay whose claims hold at most 64 KiB of payload (`relay.batch_max_bytes`) still
 /// publishes every row, in each key's order: rows of 30 KB go out two at a time, and a row
 /// larger than the bound alone.

@@ -838,7 +838,9 @@ impl Relay {
 
 impl Relay {
     /// Records refused rows: for a later attempt with backoff (their key waits), or, when
-    /// the broker will never take them, set aside (their key moves on).
+    /// the broker will never take them, set aside (their key moves on). The backoff's doubling
+    /// stops at 2^60: `power(2, 1024)` overflows a double, and a row refused that often (8.5
+    /// hours of a missing ACL at a 30 s backoff) failed every step of its relay.
     async fn record_refusals(&self, conn: &mut PgConnection, refused: &[(SentRow, Refusal)]) -> Result<()> {
         for (row, r) in refused {
             if r.again_alone.is_some() {
@@ -865,7 +867,7 @@ impl Relay {
                last_error = EXCLUDED.last_error, \
                set_aside = EXCLUDED.set_aside, \
                next_attempt_at = CASE WHEN EXCLUDED.set_aside THEN 'infinity' ELSE now() + make_interval(secs => \
-                   least($6, $5 * power(2, obx.outbox_delivery_failure.attempts))) END, \
+                   least($6, $5 * power(2, least(obx.outbox_delivery_failure.attempts, 60)))) END, \
                updated_at = now()",
         )
         .bind(refused.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
