@@ -923,8 +923,8 @@ async fn rows_of_a_batch_refused_as_too_large_go_again_alone_and_only_a_row_refu
 
 /// A broker that refuses a record's timestamp (older than the topic's `message.timestamp.*`
 /// settings allow) refuses it at every attempt: the row keeps its `created_at`. Such a row
-/// is handled as one refused for good, again alone and then set aside, and its key moves
-/// on. It was retried for ever, with its key held.
+/// (here a day old: a trigger backdates the rows) is handled as one refused for good, again
+/// alone and then set aside, and its key moves on. It was retried for ever, with its key held.
 #[tokio::test]
 async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves_on() {
     let broker = broker();
@@ -937,6 +937,14 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
     let emit = |keys: &'static [&'static str]| emit_keys(&host, &t, keys);
     emit(&["warm"]).await;
     all_published(&host, 1).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.backdate() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN NEW.created_at := NEW.created_at - interval '1 day'; RETURN NEW; END $$; \
+         CREATE TRIGGER backdate BEFORE INSERT ON obx.outbox_event FOR EACH ROW EXECUTE FUNCTION public.backdate()",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
     // The batch is refused, and then its first row alone.
     mock.fail_requests(
         rdkafka::types::RDKafkaApiKey::Produce,
@@ -983,6 +991,48 @@ async fn a_row_whose_timestamp_the_broker_refuses_is_set_aside_and_its_key_moves
     );
     let a = host.post_json("/v1/outbox/replay", json!({ "set_aside": true })).await;
     assert_eq!((a.status, &a.body["replayed"]), (200, &json!(0)), "{}", a.text);
+    host.shutdown().await;
+}
+
+/// A fresh row whose timestamp the broker refuses is ahead of the brokers' clock (the
+/// database's clock is ahead of theirs), not too old: time mends that, so it is retried, its
+/// key held, and lands in its key's order. It was set aside, and with it every row of the
+/// backlog, each key's order lost for good.
+#[tokio::test]
+async fn a_fresh_row_whose_timestamp_the_broker_refuses_waits_and_keeps_its_keys_order() {
+    let broker = broker();
+    let Some(mock) = &broker.mock else {
+        eprintln!("skipped: needs the mock cluster to refuse produce requests");
+        return;
+    };
+    let host = spawn_host_with(&["testbed"], |c| {
+        broker.configure(c);
+        c.relay.linger_ms = 100;
+        c.relay.backoff_max = Duration::from_millis(500);
+    })
+    .await;
+    let t = topic("beta");
+    emit_keys(&host, &t, &["warm"]).await;
+    all_published(&host, 1).await;
+    mock.fail_requests(
+        rdkafka::types::RDKafkaApiKey::Produce,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_TIMESTAMP,
+        3,
+    );
+    emit_keys(&host, &t, &["u", "u", "u"]).await;
+    all_published(&host, 4).await;
+    assert!(set_aside_rows(&host).await.is_empty(), "a fresh row was set aside");
+    let got = consume(
+        &host.host.brokers.bootstrap,
+        &host.topic(&t),
+        4,
+        Duration::from_secs(20),
+    )
+    .await;
+    let mut rows: Vec<_> = got.iter().filter(|m| m.key.as_deref() == Some("u")).collect();
+    rows.sort_by_key(|m| m.offset);
+    let order: Vec<i64> = rows.iter().map(|m| m.json()["i"].as_i64().unwrap()).collect();
+    assert_eq!(order, vec![0, 1, 2], "key u's rows out of order");
     host.shutdown().await;
 }
 

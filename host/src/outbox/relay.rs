@@ -672,7 +672,7 @@ impl Relay {
                     break;
                 }
                 Err((e, _)) => {
-                    let refusal = Refusal::of(&e);
+                    let refusal = Refusal::of(&e, row.created_at);
                     if refusal.permanent {
                         // The producer judged this row alone.
                         st.alone.remove(&row.id);
@@ -764,7 +764,7 @@ impl Relay {
                     if unknown && !unknown_topics.contains(&topic) {
                         unknown_topics.push(topic);
                     }
-                    let mut refusal = Refusal::of(&e);
+                    let mut refusal = Refusal::of(&e, row.created_at);
                     if refusal.permanent {
                         // Perhaps for another row of its produce batch: sent with others, it
                         // goes again alone (unless that would pass a later row of its key).
@@ -1000,12 +1000,21 @@ fn outcome(step: &Step) -> Outcome {
     }
 }
 
+/// How old a row must be (by this host's clock) for the broker's refusal of its timestamp to
+/// be for good: it is then older than the topic allows, and only grows older. A younger row
+/// refused so is ahead of the brokers' clock (the database's clock is ahead of theirs, past
+/// the topic's `message.timestamp.after.max.ms`): time mends that, so it is retried with
+/// backoff, its key held, where it was set aside, and with it the whole backlog, one row a
+/// step, each key's order lost for good.
+const SURELY_OLD: chrono::TimeDelta = chrono::TimeDelta::minutes(5);
+
 /// Why the broker (or the producer) refused a row.
 struct Refusal {
     error: String,
     /// No later attempt can succeed: the message is too large, the topic is invalid, or
-    /// the broker refuses the record's timestamp (its age, against the topic's
-    /// `message.timestamp.*` settings: the row keeps its `created_at`, and only grows older).
+    /// the broker refuses the timestamp of a row past [`SURELY_OLD`] (its age, against the
+    /// topic's `message.timestamp.*` settings: the row keeps its `created_at`, and only grows
+    /// older).
     permanent: bool,
     /// Refused for good, but with other rows in flight, perhaps for one of them: it goes
     /// again alone. Its shard.
@@ -1026,21 +1035,34 @@ impl Refusal {
         }
     }
 
-    fn of(e: &KafkaError) -> Refusal {
+    /// The broker's refusal `e` of a row written at `created_at`.
+    fn of(e: &KafkaError, created_at: DateTime<Utc>) -> Refusal {
         use RDKafkaErrorCode as C;
-        let permanent = matches!(
-            e.rdkafka_error_code(),
+        let code = e.rdkafka_error_code();
+        let mut permanent = matches!(
+            code,
             Some(
                 C::MessageSizeTooLarge
                     | C::InvalidMessageSize
                     | C::MessageBatchTooLarge
                     | C::InvalidTopic
                     | C::InvalidRecord
-                    | C::InvalidTimestamp
             )
         );
+        let mut error = e.to_string();
+        if code == Some(C::InvalidTimestamp) {
+            let age = Utc::now().signed_duration_since(created_at);
+            permanent = age > SURELY_OLD;
+            if !permanent {
+                error.push_str(&format!(
+                    " (the row was written {:.1} s ago by the database's clock, which may be ahead of \
+                     the brokers': it waits until they take it)",
+                    age.as_seconds_f64()
+                ));
+            }
+        }
         Refusal {
-            error: e.to_string(),
+            error,
             permanent,
             again_alone: None,
         }
