@@ -753,6 +753,46 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
     host.shutdown().await;
 }
 
+/// A keyed rejection whose answer is still being committed at `http.request_timeout` (a
+/// trigger makes storing it take 3 s; the timeout is 2 s) is answered with the rejection, and
+/// a retry replays it. It was 503 `timeout` ("send it again") while the answer committed.
+#[tokio::test]
+async fn a_rejection_whose_answer_is_still_committing_at_the_request_timeout_is_answered() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.request_timeout = Duration::from_secs(2);
+        c.limits.statement_timeout = Duration::from_secs(30);
+    })
+    .await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.slow_answer() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+         CREATE TRIGGER slow_answer BEFORE UPDATE ON obx.idempotency_key \
+         FOR EACH ROW EXECUTE FUNCTION public.slow_answer()",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let a = host
+        .command_with_key("testbed", "reject", json!({ "id": "slow-reject" }), "k-slow-reject")
+        .await;
+    assert_eq!(a.status, 409, "{}", a.text);
+    sqlx::raw_sql("DROP TRIGGER slow_answer ON obx.idempotency_key")
+        .execute(&host.db)
+        .await
+        .unwrap();
+    let again = host
+        .command_with_key("testbed", "reject", json!({ "id": "slow-reject" }), "k-slow-reject")
+        .await;
+    assert_eq!(again.status, 409, "{}", again.text);
+    assert_eq!(
+        again.headers.get("idempotent-replayed").map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "{}",
+        again.text
+    );
+    host.shutdown().await;
+}
+
 /// A command whose commit's round trip fails on the server's side (here its backend is
 /// terminated while plugin code runs at the `COMMIT`) is answered 504 `outcome_unknown`: such
 /// a failure may come after the `COMMIT` completed, since the statements that clear the

@@ -249,14 +249,14 @@ impl Dispatcher {
         let answerable = matches!(error, CommandError::Rejected { .. } | CommandError::InvalidInput(_));
         if let (Some((key, _)), true, false) = (&idempotency, answerable, tx.is_poisoned()) {
             let body = serde_json::to_vec(&error.body()).expect("json");
-            let stored = async {
-                sqlx::query("ROLLBACK TO SAVEPOINT obx_handler")
-                    .execute(&mut *tx)
-                    .await?;
-                idempotency::store_answer_at_commit(&mut tx, key, error.status(), &body);
-                tx.commit().await
-            }
-            .await;
+            // In the commit's round trip, as text: not a named statement of the session's
+            // cache, whose name plugin SQL could have taken for a statement of its own
+            // (`DEALLOCATE`, then `PREPARE`), so that the handler's writes committed under the
+            // stored rejection.
+            tx.write_at_commit("ROLLBACK TO SAVEPOINT obx_handler".into());
+            idempotency::store_answer_at_commit(&mut tx, key, error.status(), &body);
+            commit_sent();
+            let stored = tx.commit().await;
             if let Err(e) = stored {
                 tracing::warn!(error = %e, "could not record the answer for an Idempotency-Key");
             }
