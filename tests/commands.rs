@@ -753,6 +753,27 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
     host.shutdown().await;
 }
 
+/// A keyed rejection after a failed statement (the handler caught the error and rejected, its
+/// transaction aborted) is stored, and a retry with the key replays it: the rollback to the
+/// handler's savepoint comes first in the commit's round trip, before the check that an
+/// aborted transaction refuses.
+#[tokio::test]
+async fn a_keyed_rejection_after_a_failed_statement_is_stored_and_replayed() {
+    let host = spawn_host(&["testbed"]).await;
+    let failing = json!({ "sql": "SELECT 1 / 0" });
+    let first = host.command_with_key("testbed", "sql", failing.clone(), "k-div").await;
+    assert_eq!(first.body["error"]["reason"], "database:22012", "{}", first.text);
+    let again = host.command_with_key("testbed", "sql", failing, "k-div").await;
+    assert_eq!((again.status, again.text.as_str()), (first.status, first.text.as_str()));
+    assert_eq!(
+        again.headers.get("idempotent-replayed").map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "{}",
+        again.text
+    );
+    host.shutdown().await;
+}
+
 /// A keyed rejection whose answer is still being committed at `http.request_timeout` (a
 /// trigger makes storing it take 3 s; the timeout is 2 s) is answered with the rejection, and
 /// a retry replays it. It was 503 `timeout` ("send it again") while the answer committed.

@@ -165,13 +165,14 @@ pub async fn retry(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
 
 /// Runs `statement` with the timer `id` as $1, $2, $3; whether it changed that timer's row.
 async fn changes_one(pool: &sqlx::PgPool, statement: &str, id: &TimerId) -> sqlx::Result<bool> {
+    let mut conn = pool.acquire().await?;
     // One statement, its own transaction: once sent, it may commit whatever the host does.
     crate::dispatch::commit_sent();
     let done = sqlx::query(statement)
         .bind(&id.plugin)
         .bind(&id.name)
         .bind(&id.key)
-        .execute(pool)
+        .execute(&mut *conn)
         .await?;
     Ok(done.rows_affected() == 1)
 }

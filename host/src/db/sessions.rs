@@ -274,6 +274,7 @@ impl Sessions {
                         poisoned: false,
                         at_commit: String::new(),
                         at_commit_statements: 0,
+                        undo_to: None,
                         commit_within,
                         committing: None,
                     };
@@ -395,6 +396,8 @@ pub struct PluginTx {
     at_commit: String,
     /// How many statements `at_commit` holds: the `COMMIT` is the one after them and the check.
     at_commit_statements: usize,
+    /// A savepoint the commit rolls back to first, before its check.
+    undo_to: Option<&'static str>,
     /// The longest the commit's round trip may take ([`Login::commit_within`]).
     commit_within: Duration,
     /// When the commit's round trip was sent, while it runs: dropped then (a request whose
@@ -436,6 +439,15 @@ impl PluginTx {
         }
     }
 
+    /// Has the commit roll back to `savepoint` first, in the same round trip, before its
+    /// check: the work since the savepoint does not commit, and the commit runs even in a
+    /// transaction a failed statement aborted after it. Sent as text, never as a named
+    /// statement of the session's cache, whose name plugin SQL could have taken for one of
+    /// its own (`DEALLOCATE`, then `PREPARE`).
+    pub fn undo_at_commit_to(&mut self, savepoint: &'static str) {
+        self.undo_to = Some(savepoint);
+    }
+
     /// Rolls back and clears the session. On error the session is closed.
     pub async fn rollback(mut self) -> sqlx::Result<()> {
         if self.poisoned {
@@ -457,9 +469,13 @@ impl PluginTx {
         if commit {
             let at_commit = std::mem::take(&mut self.at_commit);
             let sent = Instant::now();
-            let sql = format!("{}; {at_commit}COMMIT; {CLEAR}", check(self.started));
-            let before_commit = 1 + std::mem::take(&mut self.at_commit_statements);
-            let round_trip = commit_round_trip(conn, &sql, before_commit);
+            let undo = self
+                .undo_to
+                .map_or(String::new(), |sp| format!("ROLLBACK TO SAVEPOINT {sp}; "));
+            let before_check = usize::from(self.undo_to.is_some());
+            let sql = format!("{undo}{}; {at_commit}COMMIT; {CLEAR}", check(self.started));
+            let before_commit = before_check + 1 + std::mem::take(&mut self.at_commit_statements);
+            let round_trip = commit_round_trip(conn, &sql, before_check, before_commit);
             self.committing = Some(sent);
             let reply = tokio::time::timeout(self.commit_within, round_trip).await;
             self.committing = None;
@@ -520,24 +536,29 @@ impl PluginTx {
 
 /// What a commit's round trip came to, once its `COMMIT` completed.
 struct CommitReply {
-    /// The first column of the first row: the check's reading of when the transaction began.
+    /// The first column of the check's row: its reading of when the transaction began.
     started: Option<i64>,
     /// An error from a statement after the `COMMIT` (the clearing).
     after_commit: Option<sqlx::Error>,
 }
 
-/// Runs `sql` (statements in one simple query, the `COMMIT` the one after the first
-/// `before_commit`) and tells whether its `COMMIT` completed: each statement that completes
+/// Runs `sql` (statements in one simple query, the check the one after the first
+/// `before_check`, the `COMMIT` the one after the first `before_commit`) and tells whether its `COMMIT` completed: each statement that completes
 /// sends its own completion, so an error after `before_commit + 1` of them came after the
 /// commit. An error at or before the `COMMIT` is returned: nothing was committed.
-async fn commit_round_trip(conn: &mut PgConnection, sql: &str, before_commit: usize) -> sqlx::Result<CommitReply> {
+async fn commit_round_trip(
+    conn: &mut PgConnection,
+    sql: &str,
+    before_check: usize,
+    before_commit: usize,
+) -> sqlx::Result<CommitReply> {
     use futures::StreamExt;
     let mut results = conn.fetch_many(sql);
     let (mut started, mut completed) = (None, 0);
     while let Some(item) = results.next().await {
         match item {
             Ok(sqlx::Either::Left(_)) => completed += 1,
-            Ok(sqlx::Either::Right(row)) if completed == 0 && started.is_none() => {
+            Ok(sqlx::Either::Right(row)) if completed == before_check && started.is_none() => {
                 // Read on to the end whatever it holds: what the COMMIT came to decides.
                 started = row.try_get(0).ok();
             }
@@ -644,7 +665,7 @@ mod tests {
     async fn commit(conn: &mut PgConnection, before: &str, after: &str) -> sqlx::Result<super::CommitReply> {
         conn.execute("BEGIN").await.unwrap();
         let sql = format!("SELECT 42::int8; {before}; COMMIT; SELECT 1; {after}");
-        commit_round_trip(conn, &sql, 2).await
+        commit_round_trip(conn, &sql, 0, 2).await
     }
 
     /// The commit's round trip tells an error after its `COMMIT` (which stands) from one at

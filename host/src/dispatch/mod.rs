@@ -249,11 +249,9 @@ impl Dispatcher {
         let answerable = matches!(error, CommandError::Rejected { .. } | CommandError::InvalidInput(_));
         if let (Some((key, _)), true, false) = (&idempotency, answerable, tx.is_poisoned()) {
             let body = serde_json::to_vec(&error.body()).expect("json");
-            // In the commit's round trip, as text: not a named statement of the session's
-            // cache, whose name plugin SQL could have taken for a statement of its own
-            // (`DEALLOCATE`, then `PREPARE`), so that the handler's writes committed under the
-            // stored rejection.
-            tx.write_at_commit("ROLLBACK TO SAVEPOINT obx_handler".into());
+            // Nothing the handler did commits: undone in the commit's round trip, before its
+            // check (a handler that caught a failed statement left the transaction aborted).
+            tx.undo_at_commit_to("obx_handler");
             idempotency::store_answer_at_commit(&mut tx, key, error.status(), &body);
             commit_sent();
             let stored = tx.commit().await;

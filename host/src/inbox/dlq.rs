@@ -125,6 +125,8 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
             .execute(&mut *tx)
             .await?;
     }
+    // Cut off by the request's deadline from here on, it would be answered as not done.
+    crate::dispatch::commit_sent();
     tx.commit().await?;
     tracing::info!(id, %consumer, %event_id, status, "dead letter resolved");
     Ok(())
