@@ -1090,69 +1090,6 @@ async fn a_keys_next_row_waits_for_its_row_in_flight_and_follows_it_when_that_on
     host.shutdown().await;
 }
 
-/// Rows of one key sent in one step, each in a produce request of its own (large rows, no
-/// linger), keep their order when the broker refuses the first request with an error the
-/// producer does not retry.
-#[tokio::test]
-async fn rows_of_a_key_in_separate_requests_of_one_step_keep_their_order_when_the_first_is_refused() {
-    let broker = broker();
-    let Some(mock) = &broker.mock else {
-        eprintln!("skipped: needs the mock cluster to refuse produce requests");
-        return;
-    };
-    let host = spawn_host_with(&["testbed"], |c| {
-        broker.configure(c);
-        c.relay.linger_ms = 0;
-        c.relay.backoff_max = Duration::from_millis(500);
-    })
-    .await;
-    let t = topic("gamma");
-    emit_keys(&host, &t, &["warm"]).await;
-    all_published(&host, 1).await;
-    mock.fail_requests(
-        rdkafka::types::RDKafkaApiKey::Produce,
-        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
-        1,
-    );
-    let a = host
-        .command(
-            "testbed",
-            "emit",
-            json!({ "id": "big", "topic": t, "keys": ["k", "k", "k"], "payload_bytes": 600_000 }),
-        )
-        .await;
-    assert_eq!(a.status, 200, "{}", a.text);
-    all_published(&host, 4).await;
-    let got = consume(
-        &host.host.brokers.bootstrap,
-        &host.topic(&t),
-        4,
-        Duration::from_secs(20),
-    )
-    .await;
-    let ids: HashMap<String, i64> =
-        sqlx::query_as::<_, (String, i64)>("SELECT event_id::text, id FROM obx.outbox_event")
-            .fetch_all(&host.db)
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
-    let mut k: Vec<_> = got.iter().filter(|m| m.key.as_deref() == Some("k")).collect();
-    k.sort_by_key(|m| m.offset);
-    let order: Vec<i64> = k.iter().map(|m| ids[m.header("eventId").unwrap()]).collect();
-    let mut sorted = order.clone();
-    sorted.sort();
-    sorted.dedup();
-    let mut first_copies = Vec::new();
-    for id in &order {
-        if !first_copies.contains(id) {
-            first_copies.push(*id);
-        }
-    }
-    assert_eq!(first_copies, sorted, "key k's rows landed out of order: {order:?}");
-    host.shutdown().await;
-}
-
 /// Rows the broker never answers (here, of a topic whose partitions have no leader) do not
 /// hold up the other topics: past `stall_timeout`, while the broker answers, each is recorded
 /// as failing (counted, with the reason), and claims pass it and its key by while it waits. Before, they stayed at the head of every claim: with a batch's worth

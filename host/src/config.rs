@@ -732,10 +732,10 @@ fn reserved_kafka_name(name: &str) -> Option<(&'static str, &'static [&'static s
     let name = name.strip_prefix("topic.").unwrap_or(name);
     Some(match name {
         "enable.idempotence" => (ORDER, &["true"]),
-        "max.in.flight.requests.per.connection" | "max.in.flight" => (ORDER, &["1"]),
+        "max.in.flight.requests.per.connection" | "max.in.flight" => (ORDER, &[]),
         "queuing.strategy" => (ORDER, &["fifo"]),
         "retries" | "message.send.max.retries" => (ORDER, &["2147483647"]),
-        "enable.gapless.guarantee" => (ORDER, &["true"]),
+        "enable.gapless.guarantee" => ("the relay handles a failed send itself, in its key's order", &["false"]),
         "acks" | "request.required.acks" => (
             "an event is marked published when the broker acknowledges it, and with fewer \
              acknowledgements than acks=all a broker's failure loses marked events",

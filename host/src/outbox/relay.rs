@@ -196,16 +196,6 @@ impl OutboxRow {
 
 /// An idempotent producer. The relay's messages never expire (`message_timeout` `None`),
 /// which keeps a key's order through any outage; replay gives up after a bound instead.
-///
-/// The relay's producer also keeps a key's order when the broker refuses a produce request
-/// for good (a missing ACL, a batch too large, a timestamp out of range): one request in
-/// flight per broker, so that no later one is on the wire then, and the gapless guarantee, so
-/// that the producer stops at that refusal (a fatal error: the relay replaces it and sends
-/// what was in flight again, in order) rather than renumbering the rows after it and sending
-/// them on. Without both, a key's rows of one step that went in separate requests landed
-/// with the first one missing, and it came later, after them (`tests/relay.rs`
-/// `rows_of_a_key_in_separate_requests_of_one_step_keep_their_order_when_the_first_is_refused`).
-/// A step waits for its acknowledgements anyway, so one request at a time costs it little.
 /// Its queue (messages not yet acknowledged) holds what [`STUCK_BATCHES`] claims and two
 /// more may: rows the broker never answers are passed by, and the claims that follow would
 /// otherwise queue `relay.batch_max_bytes` more at every step, up to librdkafka's 1 GiB.
@@ -217,14 +207,11 @@ pub fn producer(
     message_timeout: Option<Duration>,
 ) -> Result<FutureProducer> {
     let queue_bytes = ((STUCK_BATCHES + 2) * relay.batch_max_bytes).max(4 * kafka.producer_max_message_bytes());
-    let ordered = message_timeout.is_none();
     let mut config = brokers.client_config(kafka);
     // Ours first, then the user's properties again, so that theirs win, but for those the
     // guarantees rest on, which may only repeat ours.
     config
         .set("enable.idempotence", "true")
-        .set("enable.gapless.guarantee", ordered.to_string())
-        .set("max.in.flight.requests.per.connection", if ordered { "1" } else { "5" })
         .set("acks", "all")
         .set(
             "message.timeout.ms",
