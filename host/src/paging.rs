@@ -1,8 +1,10 @@
 //! Listings in pages: the operator's lists (dead letters, quarantined messages, timers) can
 //! hold any number of rows, so each answer holds at most a page of them and says where the
 //! next one begins. A page is read by a keyset (the listing's order, past the cursor), never
-//! by an offset, so a page costs the same deep in a long list, and rows added or resolved
-//! meanwhile shift no row into or out of a later page twice.
+//! by an offset, so a page costs the same deep in a long list, and rows added or removed
+//! meanwhile shift no other row into a later page twice or out of it. A row whose own place
+//! in the order changes between pages (a timer rescheduled, retried or backed off moves by
+//! its due time) may be listed twice, or not at all.
 
 use serde::Serialize;
 
