@@ -319,6 +319,35 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
         assert_eq!(planted, 0);
         tx.rollback().await.unwrap();
     }
+    // Nor can the plugin pass the check with an `=` of its own, ahead of pg_catalog's on its
+    // search path (the check names the operator it compares with).
+    let mut tx = sessions.begin("testbed").await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION testbed.always(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT true'; \
+         CREATE FUNCTION testbed.never(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT false'; \
+         CREATE OPERATOR testbed.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = testbed.always); \
+         CREATE OPERATOR testbed.<> (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = testbed.never); \
+         COMMIT; SET search_path = testbed, pg_catalog",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.write_at_commit("INSERT INTO testbed.items (id, note) VALUES ('at-commit', 'host')".into());
+    let e = tx
+        .commit()
+        .await
+        .expect_err("a check passed with the plugin's operator");
+    let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+    assert_eq!(code.as_deref(), Some("OBX01"), "{e}");
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.items WHERE id = 'at-commit'")
+            .await,
+        0
+    );
+    sqlx::raw_sql("DROP FUNCTION testbed.always, testbed.never CASCADE")
+        .execute(&host.db)
+        .await
+        .unwrap();
     // A rollback clears what a plugin committed itself, too.
     let mut tx = sessions.begin("testbed").await.unwrap();
     sqlx::raw_sql("COMMIT; SET search_path = public; LISTEN obx_outbox")

@@ -557,6 +557,7 @@ mod tests {
         (24, "07642e6b887df6d4ca8873f740e1a9ab"),
         (25, "cba906ccb613a979ad466790dc3e4fa5"),
         (26, "7bf88b6e418aa59c81c144beb66551ba"),
+        (27, "ec2f2cfc1a77939dc6b6125861b459e8"),
     ];
 
     #[test]

@@ -394,7 +394,8 @@ pub struct PluginTx {
     poisoned: bool,
     /// Host statements to run at the commit, in its round trip ([`PluginTx::write_at_commit`]).
     at_commit: String,
-    /// How many statements `at_commit` holds: the `COMMIT` is the one after them and the check.
+    /// How many statements `at_commit` holds: the `COMMIT` is the one after them, the check
+    /// and the rollback to `undo_to`, if any.
     at_commit_statements: usize,
     /// A savepoint the commit rolls back to first, before its check.
     undo_to: Option<&'static str>,
@@ -695,5 +696,45 @@ mod tests {
         assert!(e.to_string().contains("division by zero"), "{e}");
         conn.execute("ROLLBACK").await.unwrap();
         assert_eq!(rows(&mut conn).await, 2, "nothing committed");
+    }
+
+    /// With a rollback to a savepoint before the check (a keyed rejection's commit), the
+    /// check's row is still the one read, and the counts still tell an error before the
+    /// `COMMIT` from one after it; what came after the savepoint does not commit.
+    #[tokio::test]
+    async fn a_rollback_to_a_savepoint_before_the_check_keeps_the_counts() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let mut conn = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+        conn.execute("CREATE TABLE t (n int)").await.unwrap();
+        let commit_undone = |before: &'static str, after: &'static str| {
+            format!("ROLLBACK TO SAVEPOINT s; SELECT 42::int8; {before}; COMMIT; SELECT 1; {after}")
+        };
+        let begin = "BEGIN; INSERT INTO t VALUES (1); SAVEPOINT s; INSERT INTO t VALUES (2); SELECT 1/0";
+
+        let _ = conn.execute(begin).await.expect_err("the handler's failed statement");
+        let sql = commit_undone("INSERT INTO t VALUES (3)", "SELECT 2");
+        let reply = commit_round_trip(&mut conn, &sql, 1, 3).await.unwrap();
+        assert_eq!(reply.started, Some(42));
+        assert!(reply.after_commit.is_none());
+        let kept: Vec<i32> = sqlx::query_scalar("SELECT n FROM t ORDER BY n")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(kept, vec![1, 3], "the work after the savepoint committed");
+
+        let _ = conn.execute(begin).await.expect_err("the handler's failed statement");
+        let sql = commit_undone("INSERT INTO t VALUES (4)", "SELECT 1/0");
+        let reply = commit_round_trip(&mut conn, &sql, 1, 3).await.unwrap();
+        assert_eq!(reply.started, Some(42));
+        assert!(reply.after_commit.is_some(), "the error after the commit");
+
+        let _ = conn.execute(begin).await.expect_err("the handler's failed statement");
+        let sql = commit_undone("SELECT 1/0", "SELECT 2");
+        assert!(
+            commit_round_trip(&mut conn, &sql, 1, 3).await.is_err(),
+            "an error before the commit"
+        );
+        conn.execute("ROLLBACK").await.unwrap();
+        assert_eq!(rows(&mut conn).await, 4, "nothing more committed");
     }
 }
