@@ -348,6 +348,22 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
         .execute(&host.db)
         .await
         .unwrap();
+    // A keyed rejection's commit rolls back to the handler's savepoint first: in a
+    // transaction the plugin ended, that fails, and nothing commits either.
+    for tamper in ["COMMIT", "ROLLBACK; BEGIN"] {
+        let mut tx = sessions.begin("testbed").await.unwrap();
+        sqlx::raw_sql(&format!("SAVEPOINT obx_handler; {tamper}"))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.undo_at_commit_to("obx_handler");
+        tx.write_at_commit("INSERT INTO testbed.items (id, note) VALUES ('at-commit', 'host')".into());
+        tx.commit().await.expect_err(tamper);
+        let at_commit = host
+            .count("SELECT count(*) FROM testbed.items WHERE id = 'at-commit'")
+            .await;
+        assert_eq!(at_commit, 0, "{tamper}: the host's writes at the commit went through");
+    }
     // A rollback clears what a plugin committed itself, too.
     let mut tx = sessions.begin("testbed").await.unwrap();
     sqlx::raw_sql("COMMIT; SET search_path = public; LISTEN obx_outbox")

@@ -491,9 +491,15 @@ impl PluginTx {
                 )));
             };
             warn_if_slow(&self.role, "commit", sent, reply.is_ok());
+            let undoing = self.undo_to.is_some();
             let reply = reply.inspect_err(|e| {
                 if let sqlx::Error::Database(db) = e {
-                    if db.code().as_deref() == Some(ANOTHER_TRANSACTION) {
+                    // With a rollback to the host's savepoint first, a transaction the plugin
+                    // ended fails there: no transaction (25P01), or no such savepoint (3B001).
+                    let code = db.code();
+                    let ended = code.as_deref() == Some(ANOTHER_TRANSACTION)
+                        || (undoing && matches!(code.as_deref(), Some("25P01" | "3B001")));
+                    if ended {
                         tampered(&self.role, "the plugin ended the host's transaction itself");
                     }
                 }
