@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use obx_tests::{eventually, spawn_host, spawn_host_on, spawn_host_with, Gate, TestHost};
+use obx_tests::{admin_url, eventually, spawn_host, spawn_host_on, spawn_host_with, Gate, TestHost};
 use serde_json::{json, Value};
 
 async fn schedule(host: &TestHost, body: Value) -> u16 {
@@ -60,6 +60,37 @@ async fn a_timer_scheduled_by_a_call_that_rolled_back_never_fires() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(host.count("SELECT count(*) FROM obx.timer").await, 0);
     assert_eq!(fired(&host).await, 0);
+    host.shutdown().await;
+}
+
+/// A timed plugin whose earliest timer is not due takes no batch: its loop probes the
+/// index for that due time and sleeps. Each idle turn took a batch, a transaction on a plugin
+/// session four times a second for every timed plugin on every host, which also kept those
+/// sessions from ever closing. Counted by Postgres (`track_functions` for the plugin's role).
+#[tokio::test]
+async fn an_idle_timed_plugin_takes_no_batch() {
+    use sqlx::{Connection, Executor};
+    let host = spawn_host(&["testbed"]).await;
+    let role = host.plugin_role("testbed").await;
+    let mut admin = sqlx::PgConnection::connect(&admin_url()).await.unwrap();
+    admin
+        .execute(format!("ALTER ROLE \"{role}\" SET track_functions = 'pl'").as_str())
+        .await
+        .unwrap();
+    // Sessions opened before keep their settings: ended, they are opened again with it.
+    admin
+        .execute(format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'").as_str())
+        .await
+        .unwrap();
+    assert_eq!(
+        schedule(&host, json!({ "name": "t", "key": "later", "delay_ms": 60_000 })).await,
+        200
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let batches = host
+        .count("SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_user_functions WHERE funcname = 'timer_take_traced'")
+        .await;
+    assert!(batches <= 1, "{batches} batches taken in 3 s with no timer due");
     host.shutdown().await;
 }
 

@@ -282,7 +282,10 @@ impl TimerService {
                 }
                 Ok(Batch::Idle) => {
                     failures = 0;
-                    self.until_due(&name, &mut held).await
+                    if self.idle_until_due(&name, &mut held).await {
+                        return;
+                    }
+                    continue;
                 }
                 Err(e) => {
                     failures += 1;
@@ -298,10 +301,35 @@ impl TimerService {
         }
     }
 
+    /// After a batch that found nothing to fire: sleeps until `plugin`'s earliest pending
+    /// timer is due, probing the index at least every [`IDLE_POLL`] (for timers other hosts
+    /// schedule), and takes no batch before then. Each idle turn took one, a transaction on a
+    /// plugin session four times a second for every timed plugin on every host, which kept
+    /// those sessions from ever closing. True at shutdown, or once the plugin is gone or no
+    /// longer timed.
+    async fn idle_until_due(&self, plugin: &str, held: &mut u32) -> bool {
+        let mut shutdown = self.shutdown.clone();
+        loop {
+            let (wait, fire) = self.until_due(plugin, held).await;
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.changed() => return true,
+            }
+            if *shutdown.borrow() || self.registry.get(plugin).is_none_or(|p| !p.timed()) {
+                return true;
+            }
+            if fire {
+                return false;
+            }
+        }
+    }
+
     /// How long `plugin` may sleep: until its earliest pending timer is due, at most
-    /// [`IDLE_POLL`]. One due that could not be taken (another session holds it) is asked
-    /// for again soon, then less and less often (`held` counts such answers in a row).
-    async fn until_due(&self, plugin: &str, held: &mut u32) -> Duration {
+    /// [`IDLE_POLL`], and whether a batch is to be taken then: not when no timer is pending,
+    /// or the earliest is due later than that. One due that could not be taken (another
+    /// session holds it) is asked for again soon, then less and less often (`held` counts
+    /// such answers in a row).
+    async fn until_due(&self, plugin: &str, held: &mut u32) -> (Duration, bool) {
         // The earliest pending timer: one probe of the partial index.
         let due: sqlx::Result<Option<f64>> = sqlx::query_scalar(
             "SELECT extract(epoch FROM due_at - clock_timestamp())::float8 FROM obx.timer \
@@ -314,16 +342,17 @@ impl TimerService {
         match due {
             Ok(Some(secs)) if secs <= 0.0 => {
                 *held = held.saturating_add(1);
-                Duration::from_millis(5 << (*held).min(6)).min(IDLE_POLL)
+                (Duration::from_millis(5 << (*held).min(6)).min(IDLE_POLL), true)
             }
             Ok(Some(secs)) => {
                 *held = 0;
-                Duration::from_secs_f64(secs).min(IDLE_POLL)
+                let due = Duration::from_secs_f64(secs);
+                (due.min(IDLE_POLL), due <= IDLE_POLL)
             }
-            Ok(None) => IDLE_POLL,
+            Ok(None) => (IDLE_POLL, false),
             Err(e) => {
                 tracing::warn!(plugin, error = %e, "reading the next timer's due time failed");
-                IDLE_POLL
+                (IDLE_POLL, true)
             }
         }
     }
