@@ -115,6 +115,11 @@ async fn a_cancelled_timer_never_fires() {
     assert_eq!(again.body, json!(false), "nothing was left to cancel");
     tokio::time::sleep(Duration::from_millis(1800)).await;
     assert_eq!(fired(&host).await, 0);
+    // Its plugin still has counts, all zero, for the gauges: one with no timer left was left
+    // out, and its gauges kept their last values.
+    let counts = obx::timers::counts(&host.db).await.unwrap();
+    let testbed = counts.iter().find(|c| c.plugin == "testbed").expect("testbed's counts");
+    assert_eq!((testbed.pending, testbed.parked), (0, 0));
     host.shutdown().await;
 }
 

@@ -69,16 +69,18 @@ pub struct TimerCounts {
     pub overdue_seconds: f64,
 }
 
-/// Each plugin with timers: its counts. The pending count reads the partial index of
+/// Each plugin of the installation: its timers' counts, zeros for one with none. A plugin
+/// whose last timer went was left out, so that its gauges kept their last values for ever (a
+/// parked timer cancelled still read as parked). The pending count reads the partial index of
 /// pending timers.
 pub async fn counts(pool: &sqlx::PgPool) -> sqlx::Result<Vec<TimerCounts>> {
     sqlx::query_as(
-        "SELECT plugin, \
-                count(*) FILTER (WHERE parked_at IS NULL) AS pending, \
-                count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
+        "SELECT p.name AS plugin, \
+                count(t.plugin) FILTER (WHERE t.parked_at IS NULL) AS pending, \
+                count(t.plugin) FILTER (WHERE t.parked_at IS NOT NULL) AS parked, \
                 greatest(coalesce(extract(epoch FROM clock_timestamp() \
-                    - min(due_at) FILTER (WHERE parked_at IS NULL)), 0), 0)::float8 AS overdue_seconds \
-         FROM obx.timer GROUP BY plugin ORDER BY plugin",
+                    - min(t.due_at) FILTER (WHERE t.parked_at IS NULL)), 0), 0)::float8 AS overdue_seconds \
+         FROM obx.plugin p LEFT JOIN obx.timer t ON t.plugin = p.name GROUP BY p.name ORDER BY p.name",
     )
     .fetch_all(pool)
     .await
