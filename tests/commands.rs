@@ -765,7 +765,12 @@ async fn a_keyed_rejection_after_a_failed_statement_is_stored_and_replayed() {
     assert_eq!(first.body["error"]["reason"], "database:22012", "{}", first.text);
     let again = host.command_with_key("testbed", "sql", failing, "k-div").await;
     assert_eq!((again.status, again.text.as_str()), (first.status, first.text.as_str()));
-    assert_eq!(again.headers.get("idempotent-replayed").unwrap(), "true", "{}", again.text);
+    assert_eq!(
+        again.headers.get("idempotent-replayed").unwrap(),
+        "true",
+        "{}",
+        again.text
+    );
     host.shutdown().await;
 }
 
@@ -800,7 +805,12 @@ async fn a_rejection_whose_answer_is_still_committing_at_the_request_timeout_is_
         .command_with_key("testbed", "reject", json!({ "id": "slow-reject" }), "k-slow-reject")
         .await;
     assert_eq!(again.status, 409, "{}", again.text);
-    assert_eq!(again.headers.get("idempotent-replayed").unwrap(), "true", "{}", again.text);
+    assert_eq!(
+        again.headers.get("idempotent-replayed").unwrap(),
+        "true",
+        "{}",
+        again.text
+    );
     host.shutdown().await;
 }
 

@@ -460,8 +460,9 @@ impl PluginTx {
     /// Ends the transaction and clears the session in one round trip, after the commit or
     /// rollback, so that what plugin code did during a commit is cleared too. Before a
     /// commit, [`check`] refuses to go on if the plugin ended the host's transaction itself:
-    /// nothing more of the round trip runs, the commit fails, and the session is closed. The statements given to
-    /// [`PluginTx::write_at_commit`] run after the check, before the `COMMIT`. An error after
+    /// nothing more of the round trip runs, the commit fails, and the session is closed. The
+    /// statements given to [`PluginTx::write_at_commit`] run after the check, before the
+    /// `COMMIT`. An error after
     /// the `COMMIT` completed (a cancel a sibling session of the plugin sent, a statement
     /// timeout the plugin set, a shutdown in the clearing) leaves the commit standing: the
     /// session is closed, and the commit is answered as done.
@@ -550,9 +551,9 @@ struct CommitReply {
 }
 
 /// Runs `sql` (statements in one simple query, the check the one after the first
-/// `before_check`, the `COMMIT` the one after the first `before_commit`) and tells whether its `COMMIT` completed: each statement that completes
-/// sends its own completion, so an error after `before_commit + 1` of them came after the
-/// commit. An error at or before the `COMMIT` is returned: nothing was committed.
+/// `before_check`, the `COMMIT` the one after the first `before_commit`) and tells whether
+/// its `COMMIT` completed: each statement that completes sends its own completion, so an
+/// error after `before_commit + 1` of them came after the commit. An error at or before the `COMMIT` is returned: nothing was committed.
 async fn commit_round_trip(
     conn: &mut PgConnection,
     sql: &str,
