@@ -1,8 +1,9 @@
 //! `http.request_timeout`, with the status that says whose time ran out: 408 when the
 //! handling was waiting for more of the request's body (the client was slow, and a retry on a
-//! better link may succeed), 503 when the host was still handling it, before any commit. A command or an
-//! admin action already committing is given its outcome (see [`deadline`]). The same answers end the requests
-//! still running when a stopping host winds its connections down ([`Deadline::winding_down`]).
+//! better link may succeed), 503 when the host was still handling it, before any commit. A
+//! command or an admin action already committing is given its outcome (see [`deadline`]).
+//! The same answers end the requests still running when a stopping host winds its
+//! connections down ([`Deadline::winding_down`]).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};

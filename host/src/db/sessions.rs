@@ -553,7 +553,8 @@ struct CommitReply {
 /// Runs `sql` (statements in one simple query, the check the one after the first
 /// `before_check`, the `COMMIT` the one after the first `before_commit`) and tells whether
 /// its `COMMIT` completed: each statement that completes sends its own completion, so an
-/// error after `before_commit + 1` of them came after the commit. An error at or before the `COMMIT` is returned: nothing was committed.
+/// error after `before_commit + 1` of them came after the commit. An error at or before the
+/// `COMMIT` is returned: nothing was committed.
 async fn commit_round_trip(
     conn: &mut PgConnection,
     sql: &str,
