@@ -182,7 +182,14 @@ async fn peers_that_never_read_their_answers_are_closed_after_the_write_timeout(
         });
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(accepted(port), MAX_CONNECTIONS, "every place is taken");
+    // Every place is taken; the count may also hold the one peer the host accepts past its
+    // places and the connection that peer asks to leave, open until its stalled write times
+    // out (`api::places`): once in a CI run it read 18.
+    let held = accepted(port);
+    assert!(
+        (MAX_CONNECTIONS..=MAX_CONNECTIONS + 2).contains(&held),
+        "the host holds {held} connections"
+    );
 
     // A caller is served once the stalled connections are closed.
     let started = Instant::now();
