@@ -284,7 +284,7 @@ impl TimerService {
                 }
                 Ok(Batch::Idle) => {
                     failures = 0;
-                    if self.idle_until_due(&name, &mut held).await {
+                    if self.idle_until_due(&name, &mut held, &mut shutdown).await {
                         return;
                     }
                     continue;
@@ -309,8 +309,7 @@ impl TimerService {
     /// plugin session four times a second for every timed plugin on every host, which kept
     /// those sessions from ever closing. True at shutdown, or once the plugin is gone or no
     /// longer timed.
-    async fn idle_until_due(&self, plugin: &str, held: &mut u32) -> bool {
-        let mut shutdown = self.shutdown.clone();
+    async fn idle_until_due(&self, plugin: &str, held: &mut u32, shutdown: &mut watch::Receiver<bool>) -> bool {
         loop {
             let (wait, fire) = self.until_due(plugin, held).await;
             tokio::select! {

@@ -50,10 +50,7 @@ impl DlqQuery {
 
     /// The query of the next page, but its cursor.
     fn pairs(&self) -> Vec<(&'static str, String)> {
-        let mut pairs = vec![("all", self.all.to_string())];
-        pairs.extend(self.plugin.clone().map(|p| ("plugin", p)));
-        pairs.extend(self.limit.map(|n| ("limit", n.to_string())));
-        pairs
+        next_pairs(("all", self.all), &self.plugin, self.limit)
     }
 }
 
@@ -95,12 +92,7 @@ pub async fn timers_list(State(state): State<Arc<AppState>>, Query(q): Query<Tim
         limit: q.limit,
     };
     match crate::timers::list(&state.admin_pool, q.plugin.as_deref(), q.parked, &page).await {
-        Ok(rows) => {
-            let mut pairs = vec![("parked", q.parked.to_string())];
-            pairs.extend(q.plugin.map(|p| ("plugin", p)));
-            pairs.extend(q.limit.map(|n| ("limit", n.to_string())));
-            page_response("/v1/timers", pairs, rows)
-        }
+        Ok(rows) => page_response("/v1/timers", next_pairs(("parked", q.parked), &q.plugin, q.limit), rows),
         Err(e) => list_error(e),
     }
 }
@@ -126,6 +118,19 @@ pub async fn quarantine(State(state): State<Arc<AppState>>, Query(q): Query<DlqQ
         Ok(page) => page_response("/v1/quarantine", q.pairs(), page),
         Err(e) => list_error(e),
     }
+}
+
+/// The query of a list's next page, but its cursor: its flag (`all`, `parked`), plugin and
+/// limit, as the caller gave them.
+fn next_pairs(
+    (flag, on): (&'static str, bool),
+    plugin: &Option<String>,
+    limit: Option<i64>,
+) -> Vec<(&'static str, String)> {
+    let mut pairs = vec![(flag, on.to_string())];
+    pairs.extend(plugin.clone().map(|p| ("plugin", p)));
+    pairs.extend(limit.map(|n| ("limit", n.to_string())));
+    pairs
 }
 
 /// A page of a listing: its rows as the body, a JSON array as before listings had pages, and,

@@ -255,9 +255,10 @@ impl Target {
     }
 }
 
-/// The query of `GET /v1/dlq` and `/v1/quarantine`.
-fn dlq_query(plugin: Option<String>, all: bool) -> Vec<(&'static str, String)> {
-    let mut query = vec![("all", all.to_string())];
+/// The filter of a list's query: `GET /v1/dlq` and `/v1/quarantine` (`all`), `/v1/timers`
+/// (`parked`).
+fn list_query((flag, on): (&'static str, bool), plugin: Option<String>) -> Vec<(&'static str, String)> {
+    let mut query = vec![(flag, on.to_string())];
     query.extend(plugin.map(|p| ("plugin", p)));
     query
 }
@@ -275,7 +276,11 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
         } => {
             let Page { rows: letters, next } = match &target {
                 Target::Database(pool) => dlq::list(pool, plugin.as_deref(), all, &page.request()).await?,
-                Target::Host(admin) => admin.page("/v1/dlq", dlq_query(plugin.clone(), all), &page).await?,
+                Target::Host(admin) => {
+                    admin
+                        .page("/v1/dlq", list_query(("all", all), plugin.clone()), &page)
+                        .await?
+                }
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
@@ -329,7 +334,7 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                 Target::Database(pool) => dlq::quarantined(pool, plugin.as_deref(), &page.request()).await?,
                 Target::Host(admin) => {
                     admin
-                        .page("/v1/quarantine", dlq_query(plugin.clone(), false), &page)
+                        .page("/v1/quarantine", list_query(("all", false), plugin.clone()), &page)
                         .await?
                 }
             };
@@ -365,8 +370,7 @@ pub(super) async fn timers(config: Option<PathBuf>, host: HostArgs, command: Tim
             let Page { rows, next } = match &target {
                 Target::Database(pool) => timers::list(pool, plugin.as_deref(), parked, &page.request()).await?,
                 Target::Host(admin) => {
-                    let mut query = vec![("parked", parked.to_string())];
-                    query.extend(plugin.map(|p| ("plugin", p)));
+                    let query = list_query(("parked", parked), plugin.clone());
                     admin.page::<TimerRow>("/v1/timers", query, &page).await?
                 }
             };
