@@ -375,6 +375,34 @@ async fn concurrent_requests_with_one_key_run_the_handler_once() {
     );
 }
 
+/// A command whose handler fails because its statement waited past `limits.lock_timeout`
+/// for a lock another session holds lost to concurrent work: it is answered 503
+/// `contention` (send it again), not 500, which tells a client the handler is at fault;
+/// nothing of it commits, and the same request passes once the lock is gone. A handler that
+/// answers the same error with a rejection keeps its answer.
+#[tokio::test]
+async fn a_command_that_loses_to_a_lock_is_answered_contention() {
+    let host = spawn_host_with(&["testbed"], |c| c.limits.lock_timeout = Duration::from_millis(100)).await;
+    let gate = Gate::hold(&host.database_url).await;
+    // `counter` fails on a SQL error; `sql` rejects with it.
+    let answer = host.command("testbed", "counter", json!({ "id": "gate" })).await;
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert_eq!(answer.body["error"]["code"], "contention", "{}", answer.text);
+    let wait = json!({ "mode": "execute", "sql": "UPDATE counters SET n = n + 1 WHERE name = 'gate'" });
+    let answer = host.command("testbed", "sql", wait).await;
+    assert_eq!(
+        (answer.status, &answer.body["error"]["reason"]),
+        (409, &json!("timeout")),
+        "{}",
+        answer.text
+    );
+    gate.release().await;
+    let answer = host.command("testbed", "counter", json!({ "id": "gate" })).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert_eq!(answer.body["n"], 1, "{}", answer.text);
+    host.shutdown().await;
+}
+
 /// Sessions are not pinged before a call: when every session of a plugin has ended (a server
 /// restart, an operator), the next calls still find a live one, however many were pooled.
 ///

@@ -1057,6 +1057,71 @@ async fn an_inbox_event_whose_commit_a_deferred_trigger_refuses_is_parked() {
     a_refused_commit_parks_its_event(INBOX, json!("raise")).await;
 }
 
+/// A handler whose statement waits past `limits.lock_timeout` for a lock another session
+/// holds (a reload's migration, an operator's `LOCK TABLE`) lost to concurrent work and is
+/// not at fault: its event runs again after the backoff, as the same attempt, for as long as
+/// the lock is held, and takes effect once, in its key's order, when the lock goes. Each such
+/// failure was charged, and the event parked after `consumer.max_attempts` (here within half
+/// a second), its key with it.
+async fn a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let gate = Gate::hold(&first.database_url).await;
+    let p = producer(&broker.bootstrap);
+    let a1 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "gate": true })).await;
+    let a2 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 2 })).await;
+    let lost = || metric_value("obx_handler_lost_races_total{plugin=\"testbed\"}");
+    let before = lost();
+    let host = next_host(&broker, first, |c| {
+        c.consumer.max_attempts = 2;
+        c.consumer.backoff_initial = Duration::from_millis(50);
+        c.consumer.backoff_max = Duration::from_millis(100);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let parked = "SELECT count(*) FROM obx.dead_letter";
+    assert_eq!(
+        host.count(parked).await,
+        0,
+        "{logical}: an event parked for a lock wait"
+    );
+    // This test's and the other mode's, which may run beside it: at least this test's.
+    assert!(
+        lost() - before >= 5.0,
+        "{logical}: {} lost races counted",
+        lost() - before
+    );
+    assert_eq!(total_effects(&host).await, 0, "{logical}");
+    gate.release().await;
+    eventually(Duration::from_secs(20), "both events take effect", || async {
+        total_effects(&host).await == 2
+    })
+    .await;
+    assert_each_effect_once(&host, 2).await;
+    assert_eq!(key_disorder(&host).await, 0, "{logical}");
+    assert_eq!(host.count(parked).await, 0, "{logical}");
+    for id in [a1, a2] {
+        let attempt = host
+            .count(&format!(
+                "SELECT attempt::int8 FROM testbed.effects WHERE event_id = '{id}'"
+            ))
+            .await;
+        assert_eq!(attempt, 1, "{logical}: the lock waits were counted as attempts");
+    }
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_handler_that_loses_to_a_lock_is_not_charged_an_attempt() {
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_handler_that_loses_to_a_lock_is_not_charged_an_attempt() {
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(INBOX).await;
+}
+
 /// An event whose commit plugin code holds past the host's bound (`commit_within`: four
 /// statement timeouts and 2 s, here 6 s; Postgres times no part of a `COMMIT`) is cut off at
 /// every attempt. Each cut counts as a failed attempt, and the event is parked in the end

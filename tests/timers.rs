@@ -212,6 +212,40 @@ async fn a_failing_timer_is_retried_then_parked() {
     host.shutdown().await;
 }
 
+/// A timer whose handler waits past `limits.lock_timeout` for a lock another session holds
+/// lost to concurrent work: it is due again after the backoff, as the same attempt, for as
+/// long as the lock is held, and fires once when it goes. Each such failure was charged,
+/// and the timer parked after `consumer.max_attempts`.
+#[tokio::test]
+async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.consumer.max_attempts = 2;
+        c.consumer.backoff_initial = Duration::from_millis(50);
+        c.consumer.backoff_max = Duration::from_millis(100);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    let gate = Gate::hold(&host.database_url).await;
+    let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
+    assert_eq!(schedule(&host, body).await, 200);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (attempts, parked, error): (i32, bool, Option<String>) =
+        sqlx::query_as("SELECT attempts, parked_at IS NOT NULL, last_error FROM obx.timer")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    assert_eq!((attempts, parked), (0, false), "{error:?}");
+    assert!(error.as_deref().unwrap_or_default().contains("lock"), "{error:?}");
+    gate.release().await;
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    let attempt = host.count("SELECT attempt::bigint FROM testbed.timers_fired").await;
+    assert_eq!(attempt, 1, "the lock waits were counted as attempts");
+    host.shutdown().await;
+}
+
 /// A handler that schedules its own timer again keeps the new schedule, also when it cancels
 /// the timer first (a new row): the firing ends the generation it fired, and generations are
 /// never reused.

@@ -448,10 +448,11 @@ impl TimerService {
         let error = format!("the transaction could not commit: {e}");
         for due in done {
             let attempt = attempt_of(due);
-            let park = attempt >= self.config.max_attempts;
-            tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+            let verdict = self.verdict(attempt, true, false);
+            tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
                 error = ?error, "a timer's work could not commit");
-            self.record_failure(&mut fresh, due, attempt, &error, park).await?;
+            self.record_failure(&mut fresh, name, due, attempt, &error, verdict)
+                .await?;
         }
         fresh.commit().await?;
         Ok(Batch::Fired {
@@ -512,6 +513,7 @@ impl TimerService {
                     Err(e) => EventFailure {
                         error: format!("the timer could not end: {e}"),
                         retriable: true,
+                        lost_race: crate::db::lost_a_race(&e),
                         busy: false,
                         tx: Some(back),
                     },
@@ -519,7 +521,7 @@ impl TimerService {
             }
             Err(failure) => failure,
         };
-        let park = !failure.retriable || attempt >= self.config.max_attempts;
+        let verdict = self.verdict(attempt, failure.retriable, failure.lost_race);
         match failure.tx {
             Some(mut back) if !back.is_poisoned() => {
                 back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
@@ -527,9 +529,9 @@ impl TimerService {
                     // No call slot: the host is overloaded, the timer is not at fault.
                     return Ok(Fired::Busy(back));
                 }
-                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
                     error = ?failure.error, "a timer handler failed");
-                self.record_failure(&mut back, due, attempt, &failure.error, park)
+                self.record_failure(&mut back, name, due, attempt, &failure.error, verdict)
                     .await?;
                 Ok(Fired::Failed(back))
             }
@@ -540,10 +542,10 @@ impl TimerService {
                 if let Some(session) = lost {
                     session.abandon();
                 }
-                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, park,
+                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
                     error = ?failure.error, "a timer handler failed and took its transaction with it");
                 let mut fresh = self.dispatcher.sessions.begin(name).await?;
-                self.record_failure(&mut fresh, due, attempt, &failure.error, park)
+                self.record_failure(&mut fresh, name, due, attempt, &failure.error, verdict)
                     .await?;
                 fresh.commit().await?;
                 anyhow::bail!("a timer handler lost its transaction: {}", failure.error)
@@ -551,28 +553,65 @@ impl TimerService {
         }
     }
 
-    /// Records a failed firing of `due` in `tx`: due again after the backoff, or parked.
+    /// What failed attempt `attempt` of a firing comes to.
+    fn verdict(&self, attempt: u32, retriable: bool, lost_race: bool) -> Verdict {
+        if lost_race {
+            Verdict::Uncounted
+        } else if !retriable || attempt >= self.config.max_attempts {
+            Verdict::Park
+        } else {
+            Verdict::Retry
+        }
+    }
+
+    /// Records a failed firing of `due` in `tx`: due again after the backoff, as its next
+    /// attempt or, [`Verdict::Uncounted`], as the same one; or parked.
     async fn record_failure(
         &self,
         tx: &mut PluginTx,
+        plugin: &str,
         due: &Due,
         attempt: u32,
         error: &str,
-        park: bool,
+        verdict: Verdict,
     ) -> sqlx::Result<()> {
         let retry = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
-        sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
-            .bind(&due.name)
-            .bind(&due.key)
-            .bind(due.generation)
-            .bind(attempt as i32)
-            .bind(crate::db::storable(error))
-            .bind(park)
-            .bind(retry.as_millis() as i64)
-            .execute(&mut **tx)
-            .await?;
+        let error = crate::db::storable(error);
+        let query = if verdict == Verdict::Uncounted {
+            let id = format_args!("timer {:?} of key {:?}", due.name, due.key);
+            crate::inbox::handling::lost_race(plugin, &id, &error);
+            sqlx::query("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6)")
+                .bind(&due.name)
+                .bind(&due.key)
+                .bind(due.generation)
+                .bind(due.attempts)
+                .bind(error)
+                .bind(retry.as_millis() as i64)
+        } else {
+            sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
+                .bind(&due.name)
+                .bind(&due.key)
+                .bind(due.generation)
+                .bind(attempt as i32)
+                .bind(error)
+                .bind(verdict == Verdict::Park)
+                .bind(retry.as_millis() as i64)
+        };
+        query.execute(&mut **tx).await?;
         Ok(())
     }
+}
+
+/// What a timer's failed firing counts as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// A failed attempt: due again after the backoff.
+    Retry,
+    /// The last attempt, or a failure no retry can help: the timer is parked.
+    Park,
+    /// The handler lost to concurrent work ([`crate::inbox::handling::Failure::lost_race`]):
+    /// due again after the backoff, as the same attempt.
+    Uncounted,
 }
 
 /// How a batch of timers ended.

@@ -37,6 +37,10 @@ pub enum CommandError {
     IdempotencyKeyReused,
     #[error("a request with this Idempotency-Key is still running; retry when it has been answered")]
     IdempotencyKeyInUse,
+    /// The handler failed after a statement of its lost to concurrent work (a lock wait past
+    /// `lock_timeout`, a deadlock): nothing took effect, and the same request may pass.
+    #[error("the command lost to concurrent work and took no effect; retry it")]
+    LostRace(String),
     #[error("the host is at capacity; retry later")]
     Busy,
     #[error("the host could not reach its database")]
@@ -56,7 +60,7 @@ impl CommandError {
             InvalidInput(_) => 400,
             IdempotencyKeyReused => 422,
             HandlerFailed(_) | Aborted(_) | Trapped(_) | MemoryLimit(_) | InvalidResponse(_) => 500,
-            Busy | Database(_) => 503,
+            LostRace(_) | Busy | Database(_) => 503,
             Deadline | OutcomeUnknown(_) => 504,
         }
     }
@@ -76,6 +80,7 @@ impl CommandError {
             InvalidResponse(_) => "invalid_response",
             IdempotencyKeyReused => "idempotency_key_reused",
             IdempotencyKeyInUse => "idempotency_key_in_use",
+            LostRace(_) => "contention",
             Busy => "busy",
             Database(_) => "database_unavailable",
             OutcomeUnknown(_) => "outcome_unknown",
@@ -95,10 +100,21 @@ impl CommandError {
     pub(super) fn detail(&self) -> Option<&str> {
         use CommandError::*;
         match self {
-            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) | OutcomeUnknown(d) => {
-                Some(d)
-            }
+            HandlerFailed(d) | Aborted(d) | Trapped(d) | MemoryLimit(d) | InvalidResponse(d) | OutcomeUnknown(d)
+            | LostRace(d) => Some(d),
             _ => None,
+        }
+    }
+
+    /// The error of a call whose first failure was a statement that lost to concurrent work
+    /// (`lost_race`): a handler that failed, trapped or returned ok after it failed for that
+    /// race, not for a fault of its own, and a retry may pass. A rejection or invalid input
+    /// stays the handler's answer.
+    pub(super) fn after_race(self, lost_race: bool) -> CommandError {
+        use CommandError::*;
+        match self {
+            HandlerFailed(d) | Aborted(d) | Trapped(d) if lost_race => LostRace(d),
+            other => other,
         }
     }
 }

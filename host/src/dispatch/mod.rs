@@ -220,7 +220,12 @@ impl Dispatcher {
             request_id: req.request_id.clone(),
         };
         let call = call_span(plugin, "handle-command", trace);
-        let CallOutput { result, tx, events } = self.runtime.handle_command(plugin, tx, command, Some(*trace)).await;
+        let CallOutput {
+            result,
+            tx,
+            events,
+            lost_race,
+        } = self.runtime.handle_command(plugin, tx, command, Some(*trace)).await;
         end_call_span(call, &result, events.len());
         let Some(mut tx) = tx else {
             return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
@@ -240,7 +245,7 @@ impl Dispatcher {
                 }
                 Err(e) => CommandError::InvalidResponse(e),
             },
-            Err(e) => CommandError::from(e),
+            Err(e) => CommandError::from(e).after_race(lost_race),
         };
 
         // A rejection or invalid input is an answer too: with an Idempotency-Key, record it
@@ -352,6 +357,9 @@ pub struct EventFailure {
     pub error: String,
     /// Whether another attempt can help: not for invalid input or a business rejection.
     pub retriable: bool,
+    /// Retriable, and the call's first failure was a statement that lost to concurrent work
+    /// (a lock wait, a deadlock): no fault of the handler's, so no attempt of the event's.
+    pub lost_race: bool,
     /// The call could not start: no free call slot (the host is overloaded, not the handler
     /// at fault).
     pub busy: bool,
@@ -547,7 +555,12 @@ impl Dispatcher {
     reason = "both variants carry the event's transaction: boxing the failure would not shrink the result"
 )]
 fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Result<(PluginTx, Emitted), EventFailure> {
-    let CallOutput { result, tx, events } = output;
+    let CallOutput {
+        result,
+        tx,
+        events,
+        lost_race,
+    } = output;
     match (result, tx) {
         (Ok(()), Some(tx)) => Ok((
             tx,
@@ -560,6 +573,7 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
         (Ok(()), None) => Err(EventFailure {
             error: "the call lost its transaction".into(),
             retriable: true,
+            lost_race: false,
             busy: false,
             tx: None,
         }),
@@ -571,6 +585,7 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
             Err(EventFailure {
                 error: describe_call_error(&e),
                 retriable,
+                lost_race: retriable && lost_race,
                 busy: matches!(e, CallError::Busy),
                 tx,
             })

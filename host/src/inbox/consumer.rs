@@ -698,12 +698,8 @@ impl Lane {
         let mut attempt = 1;
         let mut db_errors = 0;
         if let Some(failure) = first_failure {
-            match self
-                .after_failure(m, event, attempt, &failure.error, failure.retriable)
-                .await
-            {
-                Some(done) => return done,
-                None => attempt += 1,
+            if let Some(done) = self.after_failure(m, event, &mut attempt, &failure).await {
+                return done;
             }
         }
         loop {
@@ -765,12 +761,8 @@ impl Lane {
                     return Done::Settled;
                 }
                 Ok(Step::Failed(failure)) => {
-                    match self
-                        .after_failure(m, event, attempt, &failure.error, failure.retriable)
-                        .await
-                    {
-                        Some(done) => return done,
-                        None => attempt += 1,
+                    if let Some(done) = self.after_failure(m, event, &mut attempt, &failure).await {
+                        return done;
                     }
                 }
                 Err(e) => {
@@ -798,20 +790,26 @@ impl Lane {
     }
 
     /// After attempt `attempt` of an event failed: parks it if that was the last attempt or
-    /// another cannot help, or waits out the backoff (`None`: try again).
+    /// another cannot help, or waits out the backoff (`None`: try again, as the next attempt
+    /// unless the handler lost a race, [`Failure::lost_race`]).
     async fn after_failure(
         &self,
         m: &OwnedMessage,
         event: &Incoming,
-        attempt: u32,
-        error: &str,
-        retriable: bool,
+        attempt: &mut u32,
+        failure: &Failure,
     ) -> Option<Done> {
-        tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt, error, "event handler failed");
-        if !retriable || attempt >= self.config.max_attempts {
-            return Some(self.retry_db(DbStep::Park(m, event, attempt, error)).await);
+        let (error, at) = (&failure.error, *attempt);
+        if failure.lost_race {
+            handling::lost_race(&self.plugin, &event.event_id, error);
+        } else {
+            tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt = at, error, "event handler failed");
+            if !failure.retriable || at >= self.config.max_attempts {
+                return Some(self.retry_db(DbStep::Park(m, event, at, error)).await);
+            }
+            *attempt += 1;
         }
-        let pause = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
+        let pause = backoff(self.config.backoff_initial, self.config.backoff_max, at);
         if self.pause(pause).await {
             return Some(Done::Stopped);
         }

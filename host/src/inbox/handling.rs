@@ -89,6 +89,32 @@ impl Job {
 pub(crate) struct Failure {
     pub error: String,
     pub retriable: bool,
+    /// The handler lost to concurrent work (a lock wait past `lock_timeout`, a deadlock; see
+    /// [`crate::dispatch::EventFailure::lost_race`]): tried again after a backoff, the event
+    /// is not charged an attempt. A reload's migration that holds a table for minutes, or an
+    /// operator's `LOCK TABLE`, so holds up the events of the keys in flight without
+    /// parking them; counted, it parked each after `consumer.max_attempts` tries.
+    pub lost_race: bool,
+}
+
+impl Failure {
+    /// A failure the handler, or what it sent, is to blame for.
+    pub fn charged(error: String, retriable: bool) -> Failure {
+        Failure {
+            error,
+            retriable,
+            lost_race: false,
+        }
+    }
+}
+
+/// Tells of a handler that lost to concurrent work ([`Failure::lost_race`]), the work of
+/// `plugin` named by `id` (an event's id, a timer's name and key), in a log line and in
+/// `obx_handler_lost_races_total`. Nothing parks such an event, so a key held up so for
+/// long shows here and in the consumer's lag.
+pub(crate) fn lost_race(plugin: &str, id: &dyn std::fmt::Display, error: &str) {
+    tracing::warn!(plugin, id = %id, error, "a handler lost to concurrent work; it runs again after a backoff, and no attempt is counted");
+    metrics::counter!("obx_handler_lost_races_total", "plugin" => plugin.to_string()).increment(1);
 }
 
 /// The failure a refused commit stands for, when the handlers caused it (see
@@ -102,15 +128,9 @@ pub(crate) struct Failure {
 /// row). Any other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     if crate::db::sessions::commit_cut(e) {
-        return Some(Failure {
-            error: format!("the commit was cut off: {e}"),
-            retriable: true,
-        });
+        return Some(Failure::charged(format!("the commit was cut off: {e}"), true));
     }
-    crate::db::refused_for_content(e).then(|| Failure {
-        error: format!("the commit was refused: {e}"),
-        retriable: true,
-    })
+    crate::db::refused_for_content(e).then(|| Failure::charged(format!("the commit was refused: {e}"), true))
 }
 
 /// No call slot came free within the call deadline: the host is busy, and the handler
@@ -182,10 +202,7 @@ pub(crate) async fn run(
         let contracts = &plugin.identity.contracts;
         if let Err(e) = contracts.check_consumed(&job.event.topic, &job.event.event_type, &job.event.payload) {
             // Not for the handler: the plugin said it cannot take such a payload.
-            let failure = Failure {
-                error: format!("the payload of {} {e}", job.event.event_type),
-                retriable: false,
-            };
+            let failure = Failure::charged(format!("the payload of {} {e}", job.event.event_type), false);
             return Ok(Ran::Open {
                 tx,
                 emitted,
@@ -227,6 +244,7 @@ pub(crate) async fn run(
                 let failure = Failure {
                     error: std::mem::take(&mut f.error),
                     retriable: f.retriable,
+                    lost_race: f.lost_race,
                 };
                 return Ok(match f.tx.take() {
                     Some(back) if !back.is_poisoned() && undo == Undo::Transaction => {

@@ -299,6 +299,9 @@ impl Processor {
         failure: &Failure,
     ) -> anyhow::Result<Option<bool>> {
         let attempts = claimed.attempts as u32 + 1;
+        if failure.lost_race {
+            return self.defer(tx, consumer, claimed, failure).await;
+        }
         tracing::warn!(consumer, event_id = %claimed.job.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
         let park = !failure.retriable || attempts >= self.config.max_attempts;
@@ -312,6 +315,33 @@ impl Processor {
             .fetch_one(&mut **tx)
             .await?;
         Ok(recorded.then_some(park))
+    }
+
+    /// Records in `tx` that the handler of `claimed` lost to concurrent work: the event is
+    /// due again after the backoff of its next attempt, as the same attempt
+    /// (`obx_api.inbox_defer`). `Some(false)`, or `None` if the event moved on since its
+    /// claim, as [`Processor::record_failure`].
+    async fn defer(
+        &self,
+        tx: &mut PluginTx,
+        consumer: &str,
+        claimed: &Claimed,
+        failure: &Failure,
+    ) -> anyhow::Result<Option<bool>> {
+        handling::lost_race(consumer, &claimed.job.event_id, &failure.error);
+        let delay = backoff(
+            self.config.backoff_initial,
+            self.config.backoff_max,
+            claimed.attempts as u32 + 1,
+        );
+        let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4)")
+            .bind(claimed.job.event_id)
+            .bind(claimed.attempts)
+            .bind(crate::db::storable(&failure.error))
+            .bind(delay.as_secs_f64())
+            .fetch_one(&mut **tx)
+            .await?;
+        Ok(recorded.then_some(false))
     }
 
     /// Once a parking committed: the metric and the log line.

@@ -238,6 +238,10 @@ pub struct CallOutput<T> {
     pub tx: Option<PluginTx>,
     /// Events emitted, in order; meaningful only when `result` is `Ok`.
     pub events: Vec<NewEvent>,
+    /// The call's first failure was a statement that lost to concurrent work (a lock wait
+    /// past `lock_timeout`, a deadlock, a serialization failure): the handler was not at
+    /// fault, whatever it made of the error.
+    pub lost_race: bool,
 }
 
 /// Freed pooled slots are decommitted one at a time (see `pool`). Batches (8, then 32) paid
@@ -469,6 +473,7 @@ impl Runtime {
                 result: Err(CallError::Busy),
                 tx,
                 events: Vec::new(),
+                lost_race: false,
             };
         };
         let deadline = Instant::now() + limits.call_deadline;
@@ -495,6 +500,7 @@ impl Runtime {
                     result: Err(CallError::Trapped(Trap::Deadline)),
                     tx: None,
                     events: Vec::new(),
+                    lost_race: false,
                 };
             }
         };
@@ -509,6 +515,7 @@ impl Runtime {
                 result: Err(CallError::Busy),
                 tx: store.into_data().tx,
                 events: Vec::new(),
+                lost_race: false,
             };
         }
         let outcome = outcome.map_err(|e| classify_trap(&store, e));
@@ -541,6 +548,7 @@ impl Runtime {
             result,
             tx: state.tx,
             events: state.events,
+            lost_race: state.lost_race,
         }
     }
 }

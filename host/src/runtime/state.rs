@@ -38,6 +38,9 @@ pub struct CallState {
     pub(super) check_budget: u64,
     /// The first reason this call can no longer commit (a failed statement, a limit).
     pub(super) failure: Option<String>,
+    /// Whether that first reason was a statement that lost to concurrent work
+    /// ([`crate::db::lost_a_race`]: a lock wait past `lock_timeout`, a deadlock).
+    pub(super) lost_race: bool,
     /// Wall-clock deadline of the call, Wasm and SQL together.
     pub(super) deadline: Instant,
     pub(super) request_id: String,
@@ -89,6 +92,7 @@ impl CallState {
             event_bytes: 0,
             check_budget: super::contract::MAX_CHECK_COST,
             failure: None,
+            lost_race: false,
             deadline,
             request_id,
             trace,
@@ -105,6 +109,15 @@ impl CallState {
         if self.failure.is_none() {
             self.failure = Some(reason.into());
         }
+    }
+
+    /// Marks the call as unable to commit for a failed statement, keeping with the first
+    /// reason whether the statement lost to concurrent work.
+    pub(super) fn fail_statement(&mut self, reason: String, lost_race: bool) {
+        if self.failure.is_none() {
+            self.lost_race = lost_race;
+        }
+        self.fail(reason);
     }
 }
 

@@ -77,12 +77,17 @@ impl CallState {
         let tx = self.sending().expect("checked above");
         let sent = std::time::Instant::now();
         let mut abandoned = false;
+        let mut lost_race = false;
+        let mut mapped = |e: sqlx::Error| {
+            lost_race = crate::db::lost_a_race(&e);
+            map_error(e)
+        };
         let result = match mode {
             Mode::Execute => sqlx::query_with(&sql, args)
                 .execute(&mut **tx)
                 .await
                 .map(|r| Outcome::Affected(r.rows_affected()))
-                .map_err(map_error),
+                .map_err(&mut mapped),
             Mode::Query => {
                 let mut stream = sqlx::query_with(&sql, args).fetch(&mut **tx);
                 let mut rows = Vec::new();
@@ -129,7 +134,7 @@ impl CallState {
                             // A database error ends the result; anything else (a row sqlx could
                             // not read) may leave the rest of it coming.
                             abandoned |= !matches!(e, sqlx::Error::Database(_));
-                            failed = Some(map_error(e));
+                            failed = Some(mapped(e));
                             break;
                         }
                     }
@@ -155,7 +160,7 @@ impl CallState {
         }
         if let Err(e) = &result {
             // The statement ran, or half ran: this call can only roll back now.
-            self.fail(format!("a statement failed: {}", describe(e)));
+            self.fail_statement(format!("a statement failed: {}", describe(e)), lost_race);
         }
         result
     }

@@ -113,7 +113,7 @@ impl CallState {
                 sqlx::Error::Database(db) => db.message().to_string(),
                 other => other.to_string(),
             };
-            self.fail(format!("a timer call failed: {message}"));
+            self.fail_statement(format!("a timer call failed: {message}"), crate::db::lost_a_race(&e));
             TimerError::Database(message)
         })
     }
