@@ -396,10 +396,19 @@ async fn a_command_that_loses_to_a_lock_is_answered_contention() {
         "{}",
         answer.text
     );
+    // With an Idempotency-Key: nothing is stored for the key, and its retry runs.
+    let keyed = host
+        .command_with_key("testbed", "counter", json!({ "id": "gate" }), "contended-1")
+        .await;
+    assert_eq!(keyed.status, 503, "{}", keyed.text);
     gate.release().await;
+    let keyed = host
+        .command_with_key("testbed", "counter", json!({ "id": "gate" }), "contended-1")
+        .await;
+    assert_eq!((keyed.status, &keyed.body["n"]), (200, &json!(1)), "{}", keyed.text);
     let answer = host.command("testbed", "counter", json!({ "id": "gate" })).await;
     assert_eq!(answer.status, 200, "{}", answer.text);
-    assert_eq!(answer.body["n"], 1, "{}", answer.text);
+    assert_eq!(answer.body["n"], 2, "{}", answer.text);
     host.shutdown().await;
 }
 

@@ -228,6 +228,13 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
     let gate = Gate::hold(&host.database_url).await;
     let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
     assert_eq!(schedule(&host, body).await, 200);
+    eventually(Duration::from_secs(20), "the timer loses a race", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE last_error IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    // Ten tries or so, each a lock wait of 100 ms and a backoff.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (attempts, parked, error): (i32, bool, Option<String>) =
         sqlx::query_as("SELECT attempts, parked_at IS NOT NULL, last_error FROM obx.timer")

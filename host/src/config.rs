@@ -56,6 +56,14 @@ pub struct ConsumerConfig {
     pub backoff_initial: Duration,
     #[serde(with = "humantime_serde")]
     pub backoff_max: Duration,
+    /// How long an event or a timer whose handler keeps losing to concurrent work (a lock
+    /// wait past `limits.lock_timeout`, a deadlock) is tried again without those failures
+    /// counting as attempts, from the first of them: a reload's migration or a long
+    /// transaction then holds its key up, not parks it. Past it, they count, so that a lock
+    /// nobody releases ends in a dead letter rather than a key (in dedup mode, a partition)
+    /// held for ever. 0 counts them all.
+    #[serde(with = "humantime_serde")]
+    pub contention_grace: Duration,
     /// Larger messages are quarantined.
     pub max_message_bytes: usize,
     /// Partitions a plugin's consumer works on at once (each partition stays in order).
@@ -128,6 +136,7 @@ impl Default for ConsumerConfig {
             max_attempts: 5,
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
+            contention_grace: Duration::from_secs(600),
             max_message_bytes: 1024 * 1024,
             lanes: 8,
             batch_max_events: 32,

@@ -41,6 +41,7 @@ use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::{Dispatcher, Emitted, EventFailure};
 use crate::inbox::backoff;
+use crate::inbox::handling::Deferred;
 use crate::paging::{ListError, Page, PageRequest};
 use crate::runtime::bindings::timer_guest;
 use crate::runtime::registry::Registry;
@@ -446,13 +447,14 @@ impl TimerService {
         // Its own retry delay keeps it from firing again at once; the loop goes on.
         let mut fresh = self.dispatcher.sessions.begin(name).await?;
         let error = format!("the transaction could not commit: {e}");
+        let failed = Failed {
+            error: &error,
+            retriable: true,
+            lost_race: false,
+            what: "a timer's work could not commit",
+        };
         for due in done {
-            let attempt = attempt_of(due);
-            let verdict = self.verdict(attempt, true, false);
-            tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
-                error = ?error, "a timer's work could not commit");
-            self.record_failure(&mut fresh, name, due, attempt, &error, verdict)
-                .await?;
+            self.record_failure(&mut fresh, name, due, &failed).await?;
         }
         fresh.commit().await?;
         Ok(Batch::Fired {
@@ -521,7 +523,12 @@ impl TimerService {
             }
             Err(failure) => failure,
         };
-        let verdict = self.verdict(attempt, failure.retriable, failure.lost_race);
+        let mut failed = Failed {
+            error: &failure.error,
+            retriable: failure.retriable,
+            lost_race: failure.lost_race,
+            what: "a timer handler failed",
+        };
         match failure.tx {
             Some(mut back) if !back.is_poisoned() => {
                 back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
@@ -529,10 +536,7 @@ impl TimerService {
                     // No call slot: the host is overloaded, the timer is not at fault.
                     return Ok(Fired::Busy(back));
                 }
-                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
-                    error = ?failure.error, "a timer handler failed");
-                self.record_failure(&mut back, name, due, attempt, &failure.error, verdict)
-                    .await?;
+                self.record_failure(&mut back, name, due, &failed).await?;
                 Ok(Fired::Failed(back))
             }
             lost => {
@@ -542,76 +546,72 @@ impl TimerService {
                 if let Some(session) = lost {
                     session.abandon();
                 }
-                tracing::warn!(plugin = %name, timer = ?due.name, key = ?due.key, attempt, ?verdict,
-                    error = ?failure.error, "a timer handler failed and took its transaction with it");
+                failed.what = "a timer handler failed and took its transaction with it";
                 let mut fresh = self.dispatcher.sessions.begin(name).await?;
-                self.record_failure(&mut fresh, name, due, attempt, &failure.error, verdict)
-                    .await?;
+                self.record_failure(&mut fresh, name, due, &failed).await?;
                 fresh.commit().await?;
                 anyhow::bail!("a timer handler lost its transaction: {}", failure.error)
             }
         }
     }
 
-    /// What failed attempt `attempt` of a firing comes to.
-    fn verdict(&self, attempt: u32, retriable: bool, lost_race: bool) -> Verdict {
-        if lost_race {
-            Verdict::Uncounted
-        } else if !retriable || attempt >= self.config.max_attempts {
-            Verdict::Park
-        } else {
-            Verdict::Retry
-        }
-    }
-
-    /// Records a failed firing of `due` in `tx`: due again after the backoff, as its next
-    /// attempt or, [`Verdict::Uncounted`], as the same one; or parked.
+    /// Records a failed firing of `due` in `tx`. A lost race within
+    /// `consumer.contention_grace` of the first is due again after the backoff as the same
+    /// attempt (`obx_api.timer_defer`); any other failure is due again as the next attempt,
+    /// or parked after `consumer.max_attempts` (`obx_api.timer_fail`).
     async fn record_failure(
         &self,
         tx: &mut PluginTx,
         plugin: &str,
         due: &Due,
-        attempt: u32,
-        error: &str,
-        verdict: Verdict,
+        failed: &Failed<'_>,
     ) -> sqlx::Result<()> {
+        let attempt = attempt_of(due);
         let retry = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
-        let error = crate::db::storable(error);
-        let query = if verdict == Verdict::Uncounted {
-            let id = format_args!("timer {:?} of key {:?}", due.name, due.key);
-            crate::inbox::handling::lost_race(plugin, &id, &error);
-            sqlx::query("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6)")
+        let error = crate::db::storable(failed.error);
+        if failed.lost_race {
+            let answer: String = sqlx::query_scalar("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6, $7)")
                 .bind(&due.name)
                 .bind(&due.key)
                 .bind(due.generation)
                 .bind(due.attempts)
-                .bind(error)
+                .bind(&*error)
                 .bind(retry.as_millis() as i64)
-        } else {
-            sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
-                .bind(&due.name)
-                .bind(&due.key)
-                .bind(due.generation)
-                .bind(attempt as i32)
-                .bind(error)
-                .bind(verdict == Verdict::Park)
-                .bind(retry.as_millis() as i64)
-        };
-        query.execute(&mut **tx).await?;
+                .bind(self.config.contention_grace.as_millis() as i64)
+                .fetch_one(&mut **tx)
+                .await?;
+            let deferred = Deferred::of(&answer);
+            let id = format_args!("timer {:?} of key {:?}", due.name, due.key);
+            deferred.report(plugin, &id, &error);
+            if deferred != Deferred::Charge {
+                return Ok(());
+            }
+        }
+        let park = !failed.retriable || attempt >= self.config.max_attempts;
+        tracing::warn!(plugin, timer = ?due.name, key = ?due.key, attempt, park, error = ?failed.error, "{}", failed.what);
+        sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
+            .bind(&due.name)
+            .bind(&due.key)
+            .bind(due.generation)
+            .bind(attempt as i32)
+            .bind(error)
+            .bind(park)
+            .bind(retry.as_millis() as i64)
+            .execute(&mut **tx)
+            .await?;
         Ok(())
     }
 }
 
-/// What a timer's failed firing counts as.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Verdict {
-    /// A failed attempt: due again after the backoff.
-    Retry,
-    /// The last attempt, or a failure no retry can help: the timer is parked.
-    Park,
-    /// The handler lost to concurrent work ([`crate::inbox::handling::Failure::lost_race`]):
-    /// due again after the backoff, as the same attempt.
-    Uncounted,
+/// A timer's failed firing, as [`TimerService::record_failure`] records it.
+struct Failed<'a> {
+    error: &'a str,
+    /// Whether another attempt can help.
+    retriable: bool,
+    /// The handler lost to concurrent work ([`crate::inbox::handling::Failure::lost_race`]).
+    lost_race: bool,
+    /// What failed, for the log.
+    what: &'static str,
 }
 
 /// How a batch of timers ended.

@@ -558,7 +558,7 @@ mod tests {
         (25, "cba906ccb613a979ad466790dc3e4fa5"),
         (26, "7bf88b6e418aa59c81c144beb66551ba"),
         (27, "ec2f2cfc1a77939dc6b6125861b459e8"),
-        (28, "93184291db4a35e8a049fea64e3de356"),
+        (28, "0cd21df30833556411d6b3255c0dd5c4"),
     ];
 
     #[test]

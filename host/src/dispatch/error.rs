@@ -109,7 +109,8 @@ impl CommandError {
     /// The error of a call whose first failure was a statement that lost to concurrent work
     /// (`lost_race`): a handler that failed, trapped or returned ok after it failed for that
     /// race, not for a fault of its own, and a retry may pass. A rejection or invalid input
-    /// stays the handler's answer.
+    /// stays the handler's answer, and so do the deadline and the memory limit (as for an
+    /// event: `dispatch::handled`).
     pub(super) fn after_race(self, lost_race: bool) -> CommandError {
         use CommandError::*;
         match self {

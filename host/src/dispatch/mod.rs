@@ -24,7 +24,7 @@ use crate::otel::{self, Kind};
 use crate::outbox::{self, writer};
 use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
-use crate::runtime::{CallError, CallOutput, Plugin, Runtime};
+use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
 use crate::signal::Signal;
 use crate::trace::TraceContext;
 use tracing::Instrument;
@@ -582,10 +582,19 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
                 e,
                 CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
             );
+            // What a handler does with a failed statement: fail, trap, or go on as if it had
+            // not failed. Not a deadline or memory trap: those cost the host a call slot or
+            // memory at every try, whatever came before.
+            let after_race = matches!(
+                e,
+                CallError::Handler(HandlerError::Failed(_))
+                    | CallError::Aborted(_)
+                    | CallError::Trapped(Trap::Fault(_))
+            );
             Err(EventFailure {
                 error: describe_call_error(&e),
                 retriable,
-                lost_race: retriable && lost_race,
+                lost_race: after_race && lost_race,
                 busy: matches!(e, CallError::Busy),
                 tx,
             })

@@ -24,7 +24,7 @@ const IN_FLIGHT_KIB: usize = 64 * 1024;
 /// How often a lane looks again for its plugin while it is away (see `Lane::plugin`).
 const PLUGIN_AWAY_POLL: Duration = Duration::from_millis(100);
 
-use super::handling::{self, Failure, Job, Ran, Undo};
+use super::handling::{self, Deferred, Failure, Job, Ran, Undo};
 use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
 use super::{backoff, Incoming};
@@ -695,10 +695,13 @@ impl Lane {
     /// failure of an attempt already made in a batch.
     async fn handle_dedup(&self, m: &OwnedMessage, event: &Incoming, first_failure: Option<Failure>) -> Done {
         let started = std::time::Instant::now();
-        let mut attempt = 1;
+        let mut tries = Tries {
+            attempt: 1,
+            contended_since: None,
+        };
         let mut db_errors = 0;
         if let Some(failure) = first_failure {
-            if let Some(done) = self.after_failure(m, event, &mut attempt, &failure).await {
+            if let Some(done) = self.after_failure(m, event, &mut tries, &failure).await {
                 return done;
             }
         }
@@ -720,7 +723,7 @@ impl Lane {
                     metrics::counter!("obx_consumer_dedup_hits_total", "plugin" => self.plugin.clone()).increment(1);
                     return Ok(Step::Done);
                 }
-                let job = Job::of(event, attempt);
+                let job = Job::of(event, tries.attempt);
                 // One event: its failure rolls back everything anyway.
                 match handling::run(&self.dispatcher, &plugin, tx, &[&job], Undo::Transaction).await? {
                     Ran::Open {
@@ -761,7 +764,7 @@ impl Lane {
                     return Done::Settled;
                 }
                 Ok(Step::Failed(failure)) => {
-                    if let Some(done) = self.after_failure(m, event, &mut attempt, &failure).await {
+                    if let Some(done) = self.after_failure(m, event, &mut tries, &failure).await {
                         return done;
                     }
                 }
@@ -789,25 +792,28 @@ impl Lane {
             .await
     }
 
-    /// After attempt `attempt` of an event failed: parks it if that was the last attempt or
-    /// another cannot help, or waits out the backoff (`None`: try again, as the next attempt
-    /// unless the handler lost a race, [`Failure::lost_race`]).
+    /// After a try of an event failed: parks it if that was the last attempt or another
+    /// cannot help, or waits out the backoff (`None`: try again, as the next attempt unless
+    /// the handler lost a race within `consumer.contention_grace`, [`Failure::lost_race`]).
     async fn after_failure(
         &self,
         m: &OwnedMessage,
         event: &Incoming,
-        attempt: &mut u32,
+        tries: &mut Tries,
         failure: &Failure,
     ) -> Option<Done> {
-        let (error, at) = (&failure.error, *attempt);
-        if failure.lost_race {
-            handling::lost_race(&self.plugin, &event.event_id, error);
-        } else {
-            tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt = at, error, "event handler failed");
-            if !failure.retriable || at >= self.config.max_attempts {
-                return Some(self.retry_db(DbStep::Park(m, event, at, error)).await);
+        let (error, at) = (&failure.error, tries.attempt);
+        match tries.lost_race(failure, self.config.contention_grace) {
+            Some(deferred @ (Deferred::First | Deferred::Again)) => {
+                deferred.report(&self.plugin, &event.event_id, error)
             }
-            *attempt += 1;
+            _ => {
+                tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt = at, error, "event handler failed");
+                if !failure.retriable || at >= self.config.max_attempts {
+                    return Some(self.retry_db(DbStep::Park(m, event, at, error)).await);
+                }
+                tries.attempt += 1;
+            }
         }
         let pause = backoff(self.config.backoff_initial, self.config.backoff_max, at);
         if self.pause(pause).await {
@@ -991,6 +997,32 @@ enum DbStep<'a> {
     /// The message, and the event it holds.
     StoreInInbox(&'a OwnedMessage, &'a Incoming),
     Park(&'a OwnedMessage, &'a Incoming, u32, &'a str),
+}
+
+/// The tries of one dedup-mode event on its lane: the attempt the next is, and since when
+/// its handler has lost races (an episode of contention, kept in memory: a host that stops
+/// meanwhile leaves the event to one that starts it afresh).
+struct Tries {
+    attempt: u32,
+    contended_since: Option<std::time::Instant>,
+}
+
+impl Tries {
+    /// What `failure` comes to, if it is a lost race.
+    fn lost_race(&mut self, failure: &Failure, grace: Duration) -> Option<Deferred> {
+        if !failure.lost_race {
+            return None;
+        }
+        Some(match self.contended_since {
+            _ if grace.is_zero() => Deferred::Charge,
+            None => {
+                self.contended_since = Some(std::time::Instant::now());
+                Deferred::First
+            }
+            Some(since) if since.elapsed() < grace => Deferred::Again,
+            Some(_) => Deferred::Charge,
+        })
+    }
 }
 
 /// Stores an event in the inbox, once: a redelivery finds it there.

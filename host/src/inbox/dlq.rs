@@ -105,7 +105,7 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
         return Err(DlqError::NotParked(id));
     };
     let update = if status == "retried" {
-        "UPDATE obx.inbox_event SET parked = false, attempts = 0, next_attempt_at = NULL \
+        "UPDATE obx.inbox_event SET parked = false, attempts = 0, next_attempt_at = NULL, contended_since = NULL \
          WHERE consumer = $1 AND event_id = $2"
     } else {
         "UPDATE obx.inbox_event SET parked = false, processed = true, processed_at = now() \

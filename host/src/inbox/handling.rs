@@ -91,9 +91,10 @@ pub(crate) struct Failure {
     pub retriable: bool,
     /// The handler lost to concurrent work (a lock wait past `lock_timeout`, a deadlock; see
     /// [`crate::dispatch::EventFailure::lost_race`]): tried again after a backoff, the event
-    /// is not charged an attempt. A reload's migration that holds a table for minutes, or an
-    /// operator's `LOCK TABLE`, so holds up the events of the keys in flight without
-    /// parking them; counted, it parked each after `consumer.max_attempts` tries.
+    /// is not charged an attempt for `consumer.contention_grace` ([`Deferred`]). A reload's
+    /// migration that holds a table for minutes, or an operator's `LOCK TABLE`, so holds up
+    /// the events of the keys in flight without parking them; counted, it parked each after
+    /// `consumer.max_attempts` tries.
     pub lost_race: bool,
 }
 
@@ -108,13 +109,43 @@ impl Failure {
     }
 }
 
-/// Tells of a handler that lost to concurrent work ([`Failure::lost_race`]), the work of
-/// `plugin` named by `id` (an event's id, a timer's name and key), in a log line and in
-/// `obx_handler_lost_races_total`. Nothing parks such an event, so a key held up so for
-/// long shows here and in the consumer's lag.
-pub(crate) fn lost_race(plugin: &str, id: &dyn std::fmt::Display, error: &str) {
-    tracing::warn!(plugin, id = %id, error, "a handler lost to concurrent work; it runs again after a backoff, and no attempt is counted");
-    metrics::counter!("obx_handler_lost_races_total", "plugin" => plugin.to_string()).increment(1);
+/// What recording a lost race ([`Failure::lost_race`]) came to: the work runs again after
+/// its backoff as the same attempt, at the first lost race of its episode of contention or
+/// a later one; or the episode is older than `consumer.contention_grace`, and the failure
+/// counts as an attempt; or the work moved on since it was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Deferred {
+    First,
+    Again,
+    Charge,
+    Gone,
+}
+
+impl Deferred {
+    /// The answer of `obx_api.inbox_defer` or `obx_api.timer_defer`.
+    pub fn of(answer: &str) -> Deferred {
+        match answer {
+            "first" => Deferred::First,
+            "again" => Deferred::Again,
+            "charge" => Deferred::Charge,
+            _ => Deferred::Gone,
+        }
+    }
+
+    /// Tells of a lost race that was not counted, of the work of `plugin` named by `id` (an
+    /// event's id, a timer's name and key): in `obx_handler_lost_races_total`, and in a log
+    /// line at the first of an episode (a lock held for minutes would write one for every
+    /// try). An event so held up holds up its key, and in dedup mode its lane's partitions:
+    /// it shows in the consumer's lag, and in this counter.
+    pub fn report(self, plugin: &str, id: &dyn std::fmt::Display, error: &str) {
+        match self {
+            Deferred::First => tracing::warn!(plugin, id = %id, error,
+                "a handler lost to concurrent work; it runs again after a backoff, and no attempt is counted"),
+            Deferred::Again => tracing::debug!(plugin, id = %id, error, "a handler lost to concurrent work again"),
+            Deferred::Charge | Deferred::Gone => return,
+        }
+        metrics::counter!("obx_handler_lost_races_total", "plugin" => plugin.to_string()).increment(1);
+    }
 }
 
 /// The failure a refused commit stands for, when the handlers caused it (see

@@ -32,7 +32,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::backoff;
-use super::handling::{self, EventFields, Failure, Job, Ran, Undo};
+use super::handling::{self, Deferred, EventFields, Failure, Job, Ran, Undo};
 use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::Dispatcher;
@@ -300,7 +300,11 @@ impl Processor {
     ) -> anyhow::Result<Option<bool>> {
         let attempts = claimed.attempts as u32 + 1;
         if failure.lost_race {
-            return self.defer(tx, consumer, claimed, failure).await;
+            match self.defer(tx, consumer, claimed, failure).await? {
+                Deferred::First | Deferred::Again => return Ok(Some(false)),
+                Deferred::Gone => return Ok(None),
+                Deferred::Charge => {}
+            }
         }
         tracing::warn!(consumer, event_id = %claimed.job.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
@@ -317,31 +321,32 @@ impl Processor {
         Ok(recorded.then_some(park))
     }
 
-    /// Records in `tx` that the handler of `claimed` lost to concurrent work: the event is
-    /// due again after the backoff of its next attempt, as the same attempt
-    /// (`obx_api.inbox_defer`). `Some(false)`, or `None` if the event moved on since its
-    /// claim, as [`Processor::record_failure`].
+    /// Records in `tx` that the handler of `claimed` lost to concurrent work: within
+    /// `consumer.contention_grace` of its first lost race, the event is due again after the
+    /// backoff of its next attempt, as the same attempt (`obx_api.inbox_defer`).
     async fn defer(
         &self,
         tx: &mut PluginTx,
         consumer: &str,
         claimed: &Claimed,
         failure: &Failure,
-    ) -> anyhow::Result<Option<bool>> {
-        handling::lost_race(consumer, &claimed.job.event_id, &failure.error);
+    ) -> anyhow::Result<Deferred> {
         let delay = backoff(
             self.config.backoff_initial,
             self.config.backoff_max,
             claimed.attempts as u32 + 1,
         );
-        let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4)")
+        let answer: String = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4, $5)")
             .bind(claimed.job.event_id)
             .bind(claimed.attempts)
             .bind(crate::db::storable(&failure.error))
             .bind(delay.as_secs_f64())
+            .bind(self.config.contention_grace.as_secs_f64())
             .fetch_one(&mut **tx)
             .await?;
-        Ok(recorded.then_some(false))
+        let deferred = Deferred::of(&answer);
+        deferred.report(consumer, &claimed.job.event_id, &failure.error);
+        Ok(deferred)
     }
 
     /// Once a parking committed: the metric and the log line.
