@@ -1386,6 +1386,77 @@ async fn send_many(
     ids
 }
 
+/// A parked key's backlog does not hold up its plugin's other keys. An inbox claim looked
+/// for its head by walking the consumer's unprocessed events in order, and the events
+/// waiting behind a dead letter are unprocessed: every claim walked them all (3.5 s for
+/// 200,000 on this machine), and past the plugin's statement timeout (2 s by default) no
+/// event of the plugin moved. Here 100,000 events wait behind a dead letter and the
+/// statement timeout is 300 ms; another key's events take effect, in order, and so do
+/// events with no key, while the parked key's wait.
+#[tokio::test]
+async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.consumer.max_attempts = 1;
+        c.limits.statement_timeout = Duration::from_millis(300);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(INBOX);
+    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "poison": true })).await;
+    eventually(Duration::from_secs(20), "key A parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
+    })
+    .await;
+    // Stored behind it as the consumer stores events.
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key) \
+         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g + 1), 'Thing', 'A' \
+         FROM obx.inbox_event e, generate_series(1, 100000) g WHERE e.parked",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    // And two events with no key, each a key of its own.
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type) \
+         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing' \
+         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.parked",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let b = send_many(&p, &topic, "B", 1..4).await;
+    eventually(
+        Duration::from_secs(30),
+        "key B and the events with no key flow",
+        || async {
+            let mut all = host
+                .count("SELECT count(*) FROM testbed.effects WHERE key IS NULL")
+                .await
+                == 2;
+            for id in &b {
+                all &= effects(&host, *id).await == 1;
+            }
+            all
+        },
+    )
+    .await;
+    // Key B in order (the events with no key are independent of each other).
+    let b_disorder = host
+        .count(
+            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (ORDER BY at) AS prev \
+             FROM testbed.effects WHERE key = 'B') t WHERE prev > seq",
+        )
+        .await;
+    assert_eq!(b_disorder, 0);
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await,
+        0
+    );
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_discarded_dead_letter_releases_its_key_in_inbox_mode() {
     let host = spawn_host(&["testbed"]).await;

@@ -1,0 +1,177 @@
+-- An inbox claim no longer walks a parked key's backlog. obx_api.inbox_take_batch looked for
+-- its head, the first event that may run and is the first unprocessed event of its key, by
+-- walking the consumer's unprocessed events in order (ix_inbox_event_queue) and probing each
+-- one's key. The events waiting behind a parked event are unprocessed and none is its key's
+-- first, so each claim of the plugin walked them all: with 200,000 behind one dead letter a
+-- claim took 3.5 s, and past the plugin's statement timeout no event of the plugin moved.
+--
+-- Now the walk stops after the consumer's first 256 unprocessed events. When none of them
+-- can be taken, obx.inbox_heads lists each key's first unprocessed event (a loose scan of
+-- ix_inbox_event_key, topic by topic: one index descent per key, however long its backlog)
+-- and the first runnable events with no key, and the 64 of them that come first are tried
+-- in turn, each locked by its primary key and checked again under the lock, as the walk
+-- checks. A claim so costs at most 256 events' probes, and, when the front of the queue
+-- cannot run, two index descents per key with unprocessed events. The rest of the claim is
+-- 0022's.
+CREATE FUNCTION obx.inbox_heads(p_consumer text)
+    RETURNS TABLE (event_id uuid, seq bigint)
+    LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET max_parallel_workers_per_gather = 0 AS $$
+    WITH RECURSIVE topics(topic) AS (
+        (SELECT q.topic FROM obx.inbox_event q
+         WHERE q.consumer = p_consumer AND NOT q.processed ORDER BY q.topic LIMIT 1)
+      UNION ALL
+        SELECT n.topic FROM topics t CROSS JOIN LATERAL (
+            SELECT q.topic FROM obx.inbox_event q
+            WHERE q.consumer = p_consumer AND NOT q.processed AND q.topic > t.topic
+            ORDER BY q.topic LIMIT 1) n
+    ), keys(topic, partition_key) AS (
+        -- Within a topic, so that a step stops at its events with no key, which sort last.
+        SELECT t.topic, f.partition_key FROM topics t CROSS JOIN LATERAL (
+            SELECT q.partition_key FROM obx.inbox_event q
+            WHERE q.consumer = p_consumer AND NOT q.processed AND q.topic = t.topic
+              AND q.partition_key IS NOT NULL
+            ORDER BY q.partition_key LIMIT 1) f
+      UNION ALL
+        SELECT k.topic, n.partition_key FROM keys k CROSS JOIN LATERAL (
+            SELECT q.partition_key FROM obx.inbox_event q
+            WHERE q.consumer = p_consumer AND NOT q.processed AND q.topic = k.topic
+              AND q.partition_key > k.partition_key
+            ORDER BY q.partition_key LIMIT 1) n
+    )
+    SELECT h.event_id, h.seq FROM keys k CROSS JOIN LATERAL (
+        SELECT e.event_id, e.seq, e.parked, e.next_attempt_at FROM obx.inbox_event e
+        WHERE e.consumer = p_consumer AND e.topic = k.topic AND e.partition_key = k.partition_key
+          AND NOT e.processed
+        ORDER BY e.seq LIMIT 1) h
+    WHERE NOT h.parked AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= now())
+    UNION ALL
+    SELECT n.event_id, n.seq FROM topics t CROSS JOIN LATERAL (
+        SELECT e.event_id, e.seq FROM obx.inbox_event e
+        WHERE e.consumer = p_consumer AND e.topic = t.topic AND e.partition_key IS NULL
+          AND NOT e.processed AND NOT e.parked
+          AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+        -- In the index's order, so that it is read in it: by `seq` alone the planner walked
+        -- the whole queue by ix_inbox_event_queue instead.
+        ORDER BY e.topic, e.partition_key, e.seq LIMIT 64) n
+$$;
+REVOKE EXECUTE ON FUNCTION obx.inbox_heads(text) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION obx_api.inbox_take_batch(p_limit integer)
+    RETURNS TABLE (event_id uuid, topic text, payload text, event_type text, partition_key text,
+                   headers jsonb, attempts integer, fresh boolean)
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_sort = off SET enable_bitmapscan = off SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    v_consumer text := (obx.session_plugin()).name;
+    v_head     obx.inbox_event;
+    v_limit    integer := least(greatest(coalesce(p_limit, 1), 1), 64);
+    v_locked   uuid[];
+    v_candidates uuid[];
+    v_id       uuid;
+BEGIN
+    -- The head among the consumer's first 256 unprocessed events, in order, as 0022 looked
+    -- for it among all of them: each one's row is read by its primary key and locked as the
+    -- walk reaches it, so the walk stops at the first that can be taken.
+    SELECT e.* INTO v_head
+    FROM (SELECT q.consumer, q.event_id, q.seq FROM obx.inbox_event q
+          WHERE q.consumer = v_consumer AND NOT q.processed
+          ORDER BY q.seq
+          LIMIT 256) w
+    JOIN obx.inbox_event e ON e.consumer = w.consumer AND e.event_id = w.event_id
+    WHERE NOT e.processed AND NOT e.parked
+      AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+      AND (e.partition_key IS NULL OR e.seq = (
+           SELECT min(q.seq) FROM obx.inbox_event q
+           WHERE q.consumer = e.consumer AND q.topic = e.topic AND q.partition_key = e.partition_key
+             AND NOT q.processed))
+    ORDER BY w.seq
+    LIMIT 1
+    FOR UPDATE OF e SKIP LOCKED;
+    IF v_head.event_id IS NULL THEN
+        -- Nothing at the front of the queue can be taken (a parked key's backlog, keys in
+        -- backoff, keys other processors hold): the heads, key by key, the first 64 tried in
+        -- turn, each locked by its primary key (another session's skipped) and checked again.
+        SELECT array_agg(h.event_id ORDER BY h.seq) INTO v_candidates FROM (
+            SELECT h.event_id, h.seq FROM obx.inbox_heads(v_consumer) h
+            ORDER BY h.seq LIMIT 64) h;
+        FOREACH v_id IN ARRAY coalesce(v_candidates, '{}') LOOP
+            SELECT * INTO v_head
+            FROM obx.inbox_event e
+            WHERE e.consumer = v_consumer AND e.event_id = v_id
+              AND NOT e.processed AND NOT e.parked
+              AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+              AND (e.partition_key IS NULL OR e.seq = (
+                   SELECT min(q.seq) FROM obx.inbox_event q
+                   WHERE q.consumer = e.consumer AND q.topic = e.topic AND q.partition_key = e.partition_key
+                     AND NOT q.processed))
+            FOR UPDATE OF e SKIP LOCKED;
+            EXIT WHEN FOUND;
+        END LOOP;
+    END IF;
+    IF v_head.event_id IS NULL THEN
+        RETURN;
+    END IF;
+    IF v_head.partition_key IS NULL THEN
+        v_locked := ARRAY[v_head.event_id];
+    ELSE
+        -- The candidates, locked; a row another session holds is left out, and ends the batch.
+        SELECT coalesce(array_agg(c.event_id), ARRAY[v_head.event_id]) INTO v_locked FROM (
+            SELECT r.event_id
+            FROM obx.inbox_event r
+            WHERE r.consumer = v_consumer AND r.topic = v_head.topic
+              AND r.partition_key = v_head.partition_key
+              AND NOT r.processed AND r.seq >= v_head.seq
+              AND NOT r.parked AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())
+              -- The first that waits among the batch's next events only: a key's whole backlog
+              -- would be read at every batch.
+              AND r.seq < coalesce((
+                  SELECT min(w.seq) FROM (
+                      SELECT q.seq, q.parked, q.next_attempt_at FROM obx.inbox_event q
+                      WHERE q.consumer = v_consumer AND q.topic = v_head.topic
+                        AND q.partition_key = v_head.partition_key
+                        AND NOT q.processed AND q.seq > v_head.seq
+                      ORDER BY q.seq
+                      LIMIT v_limit) w
+                  WHERE w.parked OR w.next_attempt_at > now()), 9223372036854775807)
+            ORDER BY r.seq
+            LIMIT v_limit
+            FOR UPDATE OF r SKIP LOCKED) c;
+    END IF;
+    -- A new statement, a new snapshot: the locked rows up to the first unprocessed event of the
+    -- key that is not among them (held by another session, or waiting, or past the limit).
+    RETURN QUERY
+    WITH run AS (
+        SELECT r.consumer, r.event_id
+        FROM obx.inbox_event r
+        WHERE r.consumer = v_consumer AND r.event_id = ANY (v_locked)
+          AND NOT r.processed AND NOT r.parked
+          AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())
+          AND r.seq < coalesce((
+              SELECT min(q.seq) FROM obx.inbox_event q
+              WHERE q.consumer = v_consumer AND q.topic = v_head.topic
+                AND q.partition_key = v_head.partition_key
+                AND NOT q.processed AND q.seq > v_head.seq AND q.event_id <> ALL (v_locked)),
+              9223372036854775807)
+          AND NOT EXISTS (
+              SELECT 1 FROM obx.inbox_event q
+              WHERE q.consumer = v_consumer AND q.topic = v_head.topic
+                AND q.partition_key = v_head.partition_key
+                AND NOT q.processed AND q.seq < v_head.seq)
+    ), marked AS (
+        UPDATE obx.inbox_event e SET processed = true, processed_at = now()
+        FROM run c
+        WHERE e.consumer = c.consumer AND e.event_id = c.event_id
+        RETURNING e.event_id, e.topic, e.payload::text AS payload, e.event_type, e.partition_key,
+                  e.headers, e.attempts, e.seq
+    ), recorded AS (
+        INSERT INTO obx.processed_event (consumer, event_id)
+        SELECT v_consumer, m.event_id FROM marked m
+        ON CONFLICT ON CONSTRAINT processed_event_pkey DO NOTHING
+        RETURNING processed_event.event_id
+    )
+    SELECT m.event_id, m.topic, m.payload, m.event_type, m.partition_key, m.headers, m.attempts,
+           EXISTS (SELECT 1 FROM recorded r WHERE r.event_id = m.event_id)
+    FROM marked m
+    ORDER BY m.seq;
+END $$;
