@@ -11,8 +11,11 @@
 -- and the first runnable events with no key, and the 64 of them that come first are tried
 -- in turn, each locked by its primary key and checked again under the lock, as the walk
 -- checks. A claim so costs at most 256 events' probes, and, when the front of the queue
--- cannot run, two index descents per key with unprocessed events. The rest of the claim is
--- 0022's.
+-- cannot run (a parked key's backlog, or a hot key's that another processor holds), two
+-- index descents per key with unprocessed events, and a read of the parked or waiting
+-- events with no key (each is a key of its own). When more than 64 of the first heads are
+-- held by other sessions, the claim finds nothing and the processor waits for its next
+-- wake-up. The rest of the claim is 0022's.
 CREATE FUNCTION obx.inbox_heads(p_consumer text)
     RETURNS TABLE (event_id uuid, seq bigint)
     LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET max_parallel_workers_per_gather = 0 AS $$

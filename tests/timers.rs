@@ -253,6 +253,39 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
     host.shutdown().await;
 }
 
+/// Past `consumer.contention_grace` from its first lost race, a timer whose handler keeps
+/// losing to a lock is charged again, and parked after `consumer.max_attempts`: a lock
+/// nobody releases ends in a parked timer, not in one tried for ever.
+#[tokio::test]
+async fn a_timer_that_keeps_losing_past_the_grace_is_parked() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.consumer.max_attempts = 2;
+        c.consumer.backoff_initial = Duration::from_millis(50);
+        c.consumer.backoff_max = Duration::from_millis(100);
+        c.consumer.contention_grace = Duration::from_secs(1);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    let gate = Gate::hold(&host.database_url).await;
+    let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
+    assert_eq!(schedule(&host, body).await, 200);
+    eventually(Duration::from_secs(20), "the timer is parked", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    let (attempts, error): (i32, String) = sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 2, "{error}");
+    assert!(error.contains("lock"), "{error}");
+    gate.release().await;
+    assert_eq!(fired(&host).await, 0);
+    host.shutdown().await;
+}
+
 /// A handler that schedules its own timer again keeps the new schedule, also when it cancels
 /// the timer first (a new row): the firing ends the generation it fired, and generations are
 /// never reused.

@@ -559,7 +559,7 @@ mod tests {
         (26, "7bf88b6e418aa59c81c144beb66551ba"),
         (27, "ec2f2cfc1a77939dc6b6125861b459e8"),
         (28, "0cd21df30833556411d6b3255c0dd5c4"),
-        (29, "dfc3108d94fc8022025ca6cb9e913b0c"),
+        (29, "0cc80e65d88c55b33aff795d5af07758"),
     ];
 
     #[test]
