@@ -412,6 +412,29 @@ async fn a_command_that_loses_to_a_lock_is_answered_contention() {
     host.shutdown().await;
 }
 
+/// A command whose commit waits past `limits.lock_timeout` (a deferred unique check behind
+/// another transaction's insert of the same value) lost to concurrent work too: 503
+/// `contention`, nothing committed; it was 503 `database_unavailable`, which blames the
+/// database.
+#[tokio::test]
+async fn a_command_whose_commit_loses_to_a_lock_is_answered_contention() {
+    use sqlx::Connection;
+    let host = spawn_host_with(&["testbed"], |c| c.limits.lock_timeout = Duration::from_millis(100)).await;
+    let mut other = sqlx::PgConnection::connect(&host.database_url).await.unwrap();
+    for statement in ["BEGIN", "INSERT INTO testbed.deferred (id) VALUES ('taken')"] {
+        sqlx::query(statement).execute(&mut other).await.unwrap();
+    }
+    let insert = json!({ "mode": "execute", "sql": "INSERT INTO deferred (id) VALUES ('taken')" });
+    let answer = host.command("testbed", "sql", insert.clone()).await;
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert_eq!(answer.body["error"]["code"], "contention", "{}", answer.text);
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    let answer = host.command("testbed", "sql", insert).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert_eq!(host.count("SELECT count(*) FROM testbed.deferred").await, 1);
+    host.shutdown().await;
+}
+
 /// Sessions are not pinged before a call: when every session of a plugin has ended (a server
 /// restart, an operator), the next calls still find a live one, however many were pooled.
 ///

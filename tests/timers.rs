@@ -212,22 +212,31 @@ async fn a_failing_timer_is_retried_then_parked() {
     host.shutdown().await;
 }
 
-/// A timer whose handler waits past `limits.lock_timeout` for a lock another session holds
-/// lost to concurrent work: it is due again after the backoff, as the same attempt, for as
-/// long as the lock is held, and fires once when it goes. Each such failure was charged,
-/// and the timer parked after `consumer.max_attempts`.
-#[tokio::test]
-async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
+/// A host whose timer handlers give up a lock wait after 100 ms, whose timers are parked
+/// after two counted attempts and whose lost races go uncounted for `grace`, with a timer due
+/// now whose handler waits for the gate, which the test holds.
+async fn a_timer_at_the_gate(grace: Duration) -> (TestHost, Gate) {
     let host = spawn_host_with(&["testbed"], |c| {
         c.consumer.max_attempts = 2;
         c.consumer.backoff_initial = Duration::from_millis(50);
         c.consumer.backoff_max = Duration::from_millis(100);
+        c.consumer.contention_grace = grace;
         c.limits.lock_timeout = Duration::from_millis(100);
     })
     .await;
     let gate = Gate::hold(&host.database_url).await;
     let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
     assert_eq!(schedule(&host, body).await, 200);
+    (host, gate)
+}
+
+/// A timer whose handler waits past `limits.lock_timeout` for a lock another session holds
+/// lost to concurrent work: it is due again after the backoff, as the same attempt, for as
+/// long as the lock is held, and fires once when it goes. Each such failure was charged,
+/// and the timer parked after `consumer.max_attempts`.
+#[tokio::test]
+async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(600)).await;
     eventually(Duration::from_secs(20), "the timer loses a race", || async {
         host.count("SELECT count(*) FROM obx.timer WHERE last_error IS NOT NULL")
             .await
@@ -258,17 +267,7 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
 /// nobody releases ends in a parked timer, not in one tried for ever.
 #[tokio::test]
 async fn a_timer_that_keeps_losing_past_the_grace_is_parked() {
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.consumer.max_attempts = 2;
-        c.consumer.backoff_initial = Duration::from_millis(50);
-        c.consumer.backoff_max = Duration::from_millis(100);
-        c.consumer.contention_grace = Duration::from_secs(1);
-        c.limits.lock_timeout = Duration::from_millis(100);
-    })
-    .await;
-    let gate = Gate::hold(&host.database_url).await;
-    let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "gate": true } });
-    assert_eq!(schedule(&host, body).await, 200);
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(1)).await;
     eventually(Duration::from_secs(20), "the timer is parked", || async {
         host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
             .await

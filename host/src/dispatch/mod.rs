@@ -336,8 +336,9 @@ impl Dispatcher {
                 // The same every time: the handler's doing (a deferred constraint or trigger),
                 // not a database to retry against.
                 (true, _) => CommandError::Aborted(format!("the commit was refused: {e}")),
-                // Lost to another transaction before the COMMIT: undone, and a retry may pass.
-                (false, Some(_)) if crate::db::lost_a_race(&e) => db_error(e),
+                // Lost to another transaction at the commit (a deferred check that waited past
+                // `lock_timeout`, a deadlock): undone, and a retry may pass.
+                (false, Some(_)) if crate::db::lost_a_race(&e) => CommandError::LostRace(format!("the commit: {e}")),
                 // No answer from Postgres, or the server or the connection failed in the
                 // commit's round trip (a shutdown, a terminated backend) with no word of
                 // whether the COMMIT completed. The commit may have gone through.
