@@ -44,8 +44,8 @@ END $$;
 REVOKE EXECUTE ON FUNCTION obx_api.inbox_defer(uuid, integer, text, double precision, double precision)
     FROM PUBLIC;
 
--- A timer's episode of contention ends when it is scheduled again or retried by an operator,
--- both of which clear last_error.
+-- A timer's episode of contention ends when it is scheduled again (scheduled_at moves past
+-- it) or retried by an operator (which clears it).
 CREATE FUNCTION obx_api.timer_defer(p_name text, p_key text, p_generation bigint, p_attempts integer,
                                     p_error text, p_retry_ms bigint, p_grace_ms bigint)
     RETURNS text LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -53,7 +53,7 @@ DECLARE
     v_plugin obx.plugin := obx.session_plugin();
     v_since  timestamptz;
 BEGIN
-    SELECT CASE WHEN t.last_error IS NULL THEN NULL ELSE t.contended_since END INTO v_since
+    SELECT CASE WHEN t.contended_since >= t.scheduled_at THEN t.contended_since END INTO v_since
     FROM obx.timer t
     WHERE t.plugin = v_plugin.name AND t.name = p_name AND t.key = p_key AND t.generation = p_generation
       AND t.attempts = p_attempts AND t.parked_at IS NULL

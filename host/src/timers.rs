@@ -159,7 +159,8 @@ pub async fn cancel(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
 pub async fn retry(pool: &sqlx::PgPool, id: &TimerId) -> sqlx::Result<bool> {
     changes_one(
         pool,
-        "UPDATE obx.timer SET parked_at = NULL, attempts = 0, last_error = NULL, due_at = clock_timestamp() \
+        "UPDATE obx.timer SET parked_at = NULL, attempts = 0, last_error = NULL, contended_since = NULL, \
+         due_at = clock_timestamp() \
          WHERE plugin = $1 AND name = $2 AND key = $3 AND parked_at IS NOT NULL",
         id,
     )
@@ -451,7 +452,7 @@ impl TimerService {
             error: &error,
             retriable: true,
             lost_race: false,
-            what: "a timer's work could not commit",
+            message: "a timer's work could not commit",
         };
         for due in done {
             self.record_failure(&mut fresh, name, due, &failed).await?;
@@ -527,7 +528,7 @@ impl TimerService {
             error: &failure.error,
             retriable: failure.retriable,
             lost_race: failure.lost_race,
-            what: "a timer handler failed",
+            message: "a timer handler failed",
         };
         match failure.tx {
             Some(mut back) if !back.is_poisoned() => {
@@ -546,7 +547,7 @@ impl TimerService {
                 if let Some(session) = lost {
                     session.abandon();
                 }
-                failed.what = "a timer handler failed and took its transaction with it";
+                failed.message = "a timer handler failed and took its transaction with it";
                 let mut fresh = self.dispatcher.sessions.begin(name).await?;
                 self.record_failure(&mut fresh, name, due, &failed).await?;
                 fresh.commit().await?;
@@ -569,7 +570,7 @@ impl TimerService {
         let attempt = attempt_of(due);
         let retry = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
         let error = crate::db::storable(failed.error);
-        if failed.lost_race {
+        if failed.lost_race && !self.config.contention_grace.is_zero() {
             let answer: String = sqlx::query_scalar("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6, $7)")
                 .bind(&due.name)
                 .bind(&due.key)
@@ -580,7 +581,7 @@ impl TimerService {
                 .bind(self.config.contention_grace.as_millis() as i64)
                 .fetch_one(&mut **tx)
                 .await?;
-            let deferred = Deferred::of(&answer);
+            let deferred = Deferred::of(&answer).map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
             let id = format_args!("timer {:?} of key {:?}", due.name, due.key);
             deferred.report(plugin, &id, &error);
             if deferred != Deferred::Charge {
@@ -588,7 +589,7 @@ impl TimerService {
             }
         }
         let park = !failed.retriable || attempt >= self.config.max_attempts;
-        tracing::warn!(plugin, timer = ?due.name, key = ?due.key, attempt, park, error = ?failed.error, "{}", failed.what);
+        tracing::warn!(plugin, timer = ?due.name, key = ?due.key, attempt, park, error = ?failed.error, "{}", failed.message);
         sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
             .bind(&due.name)
             .bind(&due.key)
@@ -610,8 +611,8 @@ struct Failed<'a> {
     retriable: bool,
     /// The handler lost to concurrent work ([`crate::inbox::handling::Failure::lost_race`]).
     lost_race: bool,
-    /// What failed, for the log.
-    what: &'static str,
+    /// The log line's message.
+    message: &'static str,
 }
 
 /// How a batch of timers ended.

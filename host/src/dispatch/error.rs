@@ -106,15 +106,15 @@ impl CommandError {
         }
     }
 
-    /// The error of a call whose first failure was a statement that lost to concurrent work
-    /// (`lost_race`): a handler that failed, trapped or returned ok after it failed for that
-    /// race, not for a fault of its own, and a retry may pass. A rejection or invalid input
-    /// stays the handler's answer, and so do the deadline and the memory limit (as for an
-    /// event: `dispatch::handled`).
-    pub(super) fn after_race(self, lost_race: bool) -> CommandError {
-        use CommandError::*;
-        match self {
-            HandlerFailed(d) | Aborted(d) | Trapped(d) if lost_race => LostRace(d),
+    /// The error of call error `e`, whose call's first failure was a statement that lost to
+    /// concurrent work if `lost_race`: [`CommandError::LostRace`] when the handler failed for
+    /// that race ([`CallError::may_follow_a_race`]), not for a fault of its own.
+    pub(super) fn after_race(e: CallError, lost_race: bool) -> CommandError {
+        let raced = lost_race && e.may_follow_a_race();
+        match CommandError::from(e) {
+            CommandError::HandlerFailed(d) | CommandError::Aborted(d) | CommandError::Trapped(d) if raced => {
+                CommandError::LostRace(d)
+            }
             other => other,
         }
     }

@@ -24,7 +24,7 @@ use crate::otel::{self, Kind};
 use crate::outbox::{self, writer};
 use crate::runtime::bindings::{guest, timer_guest, types::HandlerError};
 use crate::runtime::registry::Registry;
-use crate::runtime::{CallError, CallOutput, Plugin, Runtime, Trap};
+use crate::runtime::{CallError, CallOutput, Plugin, Runtime};
 use crate::signal::Signal;
 use crate::trace::TraceContext;
 use tracing::Instrument;
@@ -228,7 +228,8 @@ impl Dispatcher {
         } = self.runtime.handle_command(plugin, tx, command, Some(*trace)).await;
         end_call_span(call, &result, events.len());
         let Some(mut tx) = tx else {
-            return Err(result.err().map(CommandError::from).unwrap_or(CommandError::Deadline));
+            let error = result.err().map(|e| CommandError::after_race(e, lost_race));
+            return Err(error.unwrap_or(CommandError::Deadline));
         };
 
         let error = match result {
@@ -245,7 +246,7 @@ impl Dispatcher {
                 }
                 Err(e) => CommandError::InvalidResponse(e),
             },
-            Err(e) => CommandError::from(e).after_race(lost_race),
+            Err(e) => CommandError::after_race(e, lost_race),
         };
 
         // A rejection or invalid input is an answer too: with an Idempotency-Key, record it
@@ -358,8 +359,9 @@ pub struct EventFailure {
     pub error: String,
     /// Whether another attempt can help: not for invalid input or a business rejection.
     pub retriable: bool,
-    /// Retriable, and the call's first failure was a statement that lost to concurrent work
-    /// (a lock wait, a deadlock): no fault of the handler's, so no attempt of the event's.
+    /// The call's first failure was a statement that lost to concurrent work (a lock wait,
+    /// a deadlock), and the handler failed for it ([`CallError::may_follow_a_race`]): no
+    /// fault of the handler's, so no attempt of the event's.
     pub lost_race: bool,
     /// The call could not start: no free call slot (the host is overloaded, not the handler
     /// at fault).
@@ -583,19 +585,10 @@ fn handled(plugin: &Plugin, output: CallOutput<()>, trace: &TraceContext) -> Res
                 e,
                 CallError::Handler(HandlerError::InvalidInput(_) | HandlerError::Rejected(_))
             );
-            // What a handler does with a failed statement: fail, trap, or go on as if it had
-            // not failed. Not a deadline or memory trap: those cost the host a call slot or
-            // memory at every try, whatever came before.
-            let after_race = matches!(
-                e,
-                CallError::Handler(HandlerError::Failed(_))
-                    | CallError::Aborted(_)
-                    | CallError::Trapped(Trap::Fault(_))
-            );
             Err(EventFailure {
                 error: describe_call_error(&e),
                 retriable,
-                lost_race: after_race && lost_race,
+                lost_race: lost_race && e.may_follow_a_race(),
                 busy: matches!(e, CallError::Busy),
                 tx,
             })

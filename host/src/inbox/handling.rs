@@ -122,20 +122,24 @@ pub(crate) enum Deferred {
 }
 
 impl Deferred {
-    /// The answer of `obx_api.inbox_defer` or `obx_api.timer_defer`.
-    pub fn of(answer: &str) -> Deferred {
-        match answer {
+    /// The answer of `obx_api.inbox_defer` or `obx_api.timer_defer`. Any other is an error,
+    /// which rolls the caller's transaction back: taken for `Gone`, it let an inbox claim
+    /// commit its event as processed with nothing recorded.
+    pub fn of(answer: &str) -> anyhow::Result<Deferred> {
+        Ok(match answer {
             "first" => Deferred::First,
             "again" => Deferred::Again,
             "charge" => Deferred::Charge,
-            _ => Deferred::Gone,
-        }
+            "gone" => Deferred::Gone,
+            other => anyhow::bail!("an unexpected answer from a deferral: {other:?}"),
+        })
     }
 
     /// Tells of a lost race that was not counted, of the work of `plugin` named by `id` (an
     /// event's id, a timer's name and key): in `obx_handler_lost_races_total`, and in a log
     /// line at the first of an episode (a lock held for minutes would write one for every
-    /// try). An event so held up holds up its key, and in dedup mode its lane's partitions:
+    /// try). Told when recorded, before the commit: a try whose commit then fails, recorded
+    /// again apart, is told twice. An event so held up holds up its key, and in dedup mode its lane's partitions:
     /// it shows in the consumer's lag, and in this counter.
     pub fn report(self, plugin: &str, id: &dyn std::fmt::Display, error: &str) {
         match self {

@@ -299,8 +299,9 @@ impl Processor {
         failure: &Failure,
     ) -> anyhow::Result<Option<bool>> {
         let attempts = claimed.attempts as u32 + 1;
-        if failure.lost_race {
-            match self.defer(tx, consumer, claimed, failure).await? {
+        let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
+        if failure.lost_race && !self.config.contention_grace.is_zero() {
+            match self.defer(tx, consumer, claimed, failure, delay).await? {
                 Deferred::First | Deferred::Again => return Ok(Some(false)),
                 Deferred::Gone => return Ok(None),
                 Deferred::Charge => {}
@@ -309,7 +310,6 @@ impl Processor {
         tracing::warn!(consumer, event_id = %claimed.job.event_id, attempts,
             error = %failure.error, "inbox event handler failed");
         let park = !failure.retriable || attempts >= self.config.max_attempts;
-        let delay = backoff(self.config.backoff_initial, self.config.backoff_max, attempts);
         let recorded: bool = sqlx::query_scalar("SELECT obx_api.inbox_fail_attempt($1, $2, $3, $4, $5)")
             .bind(claimed.job.event_id)
             .bind(attempts as i32)
@@ -322,20 +322,16 @@ impl Processor {
     }
 
     /// Records in `tx` that the handler of `claimed` lost to concurrent work: within
-    /// `consumer.contention_grace` of its first lost race, the event is due again after the
-    /// backoff of its next attempt, as the same attempt (`obx_api.inbox_defer`).
+    /// `consumer.contention_grace` of its first lost race, the event is due again after
+    /// `delay` (its next attempt's backoff), as the same attempt (`obx_api.inbox_defer`).
     async fn defer(
         &self,
         tx: &mut PluginTx,
         consumer: &str,
         claimed: &Claimed,
         failure: &Failure,
+        delay: std::time::Duration,
     ) -> anyhow::Result<Deferred> {
-        let delay = backoff(
-            self.config.backoff_initial,
-            self.config.backoff_max,
-            claimed.attempts as u32 + 1,
-        );
         let answer: String = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4, $5)")
             .bind(claimed.job.event_id)
             .bind(claimed.attempts)
@@ -344,7 +340,7 @@ impl Processor {
             .bind(self.config.contention_grace.as_secs_f64())
             .fetch_one(&mut **tx)
             .await?;
-        let deferred = Deferred::of(&answer);
+        let deferred = Deferred::of(&answer)?;
         deferred.report(consumer, &claimed.job.event_id, &failure.error);
         Ok(deferred)
     }

@@ -218,6 +218,20 @@ pub enum CallError {
     Busy,
 }
 
+impl CallError {
+    /// Whether this error may be a handler's answer to a statement that lost to concurrent
+    /// work ([`CallOutput::lost_race`]): it failed, trapped or returned ok after it. Not a
+    /// rejection or invalid input, which are the handler's own answer, nor the deadline or
+    /// the memory limit, which cost the host a call slot or memory at every try, whatever
+    /// came before.
+    pub fn may_follow_a_race(&self) -> bool {
+        matches!(
+            self,
+            CallError::Handler(HandlerError::Failed(_)) | CallError::Aborted(_) | CallError::Trapped(Trap::Fault(_))
+        )
+    }
+}
+
 /// How a guest was stopped.
 #[derive(Debug)]
 pub enum Trap {
