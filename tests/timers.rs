@@ -157,6 +157,20 @@ async fn a_timer_rescheduled_by_another_of_its_batch_fires_on_its_new_schedule_o
     host.shutdown().await;
 }
 
+/// Waits until the host's one timer is parked; its attempts and last error.
+async fn the_parked_timer(host: &TestHost) -> (i32, String) {
+    eventually(Duration::from_secs(20), "the timer is parked", || async {
+        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
+        .fetch_one(&host.db)
+        .await
+        .unwrap()
+}
+
 /// A handler that fails is called again after a backoff, each attempt rolled back, and the
 /// timer is parked after `consumer.max_attempts`, with its error, and fires no more.
 #[tokio::test]
@@ -164,16 +178,7 @@ async fn a_failing_timer_is_retried_then_parked() {
     let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 3).await;
     let body = json!({ "name": "t", "key": "k", "delay_ms": 0, "payload": { "fail": true } });
     assert_eq!(schedule(&host, body).await, 200);
-    eventually(Duration::from_secs(10), "the timer is parked", || async {
-        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let (attempts, error): (i32, String) = sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
-        .fetch_one(&host.db)
-        .await
-        .unwrap();
+    let (attempts, error) = the_parked_timer(&host).await;
     assert_eq!(attempts, 3);
     assert!(error.contains("the testbed's timer failed"), "{error}");
     // The operator sees it in /v1/status.
@@ -268,16 +273,7 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
 #[tokio::test]
 async fn a_timer_that_keeps_losing_past_the_grace_is_parked() {
     let (host, gate) = a_timer_at_the_gate(Duration::from_secs(1)).await;
-    eventually(Duration::from_secs(20), "the timer is parked", || async {
-        host.count("SELECT count(*) FROM obx.timer WHERE parked_at IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let (attempts, error): (i32, String) = sqlx::query_as("SELECT attempts, last_error FROM obx.timer")
-        .fetch_one(&host.db)
-        .await
-        .unwrap();
+    let (attempts, error) = the_parked_timer(&host).await;
     assert_eq!(attempts, 2, "{error}");
     assert!(error.contains("lock"), "{error}");
     gate.release().await;
