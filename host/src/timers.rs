@@ -41,7 +41,7 @@ use crate::config::ConsumerConfig;
 use crate::db::sessions::PluginTx;
 use crate::dispatch::{Dispatcher, Emitted, EventFailure};
 use crate::inbox::backoff;
-use crate::inbox::handling::Deferred;
+use crate::inbox::handling::{Deferred, Failure};
 use crate::paging::{ListError, Page, PageRequest};
 use crate::runtime::bindings::timer_guest;
 use crate::runtime::registry::Registry;
@@ -447,15 +447,10 @@ impl TimerService {
         // The one timer's work cannot commit: it counts as failed, or it would fire for ever.
         // Its own retry delay keeps it from firing again at once; the loop goes on.
         let mut fresh = self.dispatcher.sessions.begin(name).await?;
-        let error = format!("the transaction could not commit: {e}");
-        let failed = Failed {
-            error: &error,
-            retriable: true,
-            lost_race: false,
-            message: "a timer's work could not commit",
-        };
+        let failure = Failure::charged(format!("the transaction could not commit: {e}"), true);
         for due in done {
-            self.record_failure(&mut fresh, name, due, &failed).await?;
+            self.record_failure(&mut fresh, name, due, &failure, "a timer's work could not commit")
+                .await?;
         }
         fresh.commit().await?;
         Ok(Batch::Fired {
@@ -524,20 +519,27 @@ impl TimerService {
             }
             Err(failure) => failure,
         };
-        let mut failed = Failed {
-            error: &failure.error,
-            retriable: failure.retriable,
-            lost_race: failure.lost_race,
-            message: "a timer handler failed",
+        let EventFailure {
+            error,
+            retriable,
+            lost_race,
+            busy,
+            tx,
+        } = failure;
+        let failure = Failure {
+            error,
+            retriable,
+            lost_race,
         };
-        match failure.tx {
+        match tx {
             Some(mut back) if !back.is_poisoned() => {
                 back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
-                if failure.busy {
+                if busy {
                     // No call slot: the host is overloaded, the timer is not at fault.
                     return Ok(Fired::Busy(back));
                 }
-                self.record_failure(&mut back, name, due, &failed).await?;
+                self.record_failure(&mut back, name, due, &failure, "a timer handler failed")
+                    .await?;
                 Ok(Fired::Failed(back))
             }
             lost => {
@@ -547,30 +549,31 @@ impl TimerService {
                 if let Some(session) = lost {
                     session.abandon();
                 }
-                failed.message = "a timer handler failed and took its transaction with it";
                 let mut fresh = self.dispatcher.sessions.begin(name).await?;
-                self.record_failure(&mut fresh, name, due, &failed).await?;
+                let message = "a timer handler failed and took its transaction with it";
+                self.record_failure(&mut fresh, name, due, &failure, message).await?;
                 fresh.commit().await?;
                 anyhow::bail!("a timer handler lost its transaction: {}", failure.error)
             }
         }
     }
 
-    /// Records a failed firing of `due` in `tx`. A lost race within
-    /// `consumer.contention_grace` of the first is due again after the backoff as the same
-    /// attempt (`obx_api.timer_defer`); any other failure is due again as the next attempt,
-    /// or parked after `consumer.max_attempts` (`obx_api.timer_fail`).
+    /// Records a failed firing of `due` in `tx`, with `message` for its log line. A lost race
+    /// within `consumer.contention_grace` of the first is due again after the backoff as the
+    /// same attempt (`obx_api.timer_defer`); any other failure is due again as the next
+    /// attempt, or parked after `consumer.max_attempts` (`obx_api.timer_fail`).
     async fn record_failure(
         &self,
         tx: &mut PluginTx,
         plugin: &str,
         due: &Due,
-        failed: &Failed<'_>,
+        failure: &Failure,
+        message: &str,
     ) -> sqlx::Result<()> {
         let attempt = attempt_of(due);
         let retry = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
-        let error = crate::db::storable(failed.error);
-        if failed.lost_race && !self.config.contention_grace.is_zero() {
+        let error = crate::db::storable(&failure.error);
+        if failure.lost_race && !self.config.contention_grace.is_zero() {
             let answer: String = sqlx::query_scalar("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6, $7)")
                 .bind(&due.name)
                 .bind(&due.key)
@@ -588,8 +591,8 @@ impl TimerService {
                 return Ok(());
             }
         }
-        let park = !failed.retriable || attempt >= self.config.max_attempts;
-        tracing::warn!(plugin, timer = ?due.name, key = ?due.key, attempt, park, error = ?failed.error, "{}", failed.message);
+        let park = !failure.retriable || attempt >= self.config.max_attempts;
+        tracing::warn!(plugin, timer = ?due.name, key = ?due.key, attempt, park, error = ?failure.error, "{message}");
         sqlx::query("SELECT obx_api.timer_fail($1, $2, $3, $4, $5, $6, $7)")
             .bind(&due.name)
             .bind(&due.key)
@@ -602,17 +605,6 @@ impl TimerService {
             .await?;
         Ok(())
     }
-}
-
-/// A timer's failed firing, as [`TimerService::record_failure`] records it.
-struct Failed<'a> {
-    error: &'a str,
-    /// Whether another attempt can help.
-    retriable: bool,
-    /// The handler lost to concurrent work ([`crate::inbox::handling::Failure::lost_race`]).
-    lost_race: bool,
-    /// The log line's message.
-    message: &'static str,
 }
 
 /// How a batch of timers ended.
