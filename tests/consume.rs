@@ -1172,6 +1172,45 @@ async fn an_inbox_handler_that_keeps_losing_past_the_grace_is_parked() {
     a_handler_that_keeps_losing_past_the_grace_is_parked(INBOX).await;
 }
 
+/// A handler that keeps losing to a lock is tried less and less often while the lock stays:
+/// after a quarter of the time since its first lost race, at least the backoff and at most
+/// `consumer.backoff_max`. At the attempt's backoff it was tried every lock wait and backoff
+/// (here 150 ms, about 40 tries in 6 s; with the defaults about 550 in the grace), each try a
+/// transaction.
+async fn a_handler_held_at_a_lock_is_tried_less_and_less_often(logical: &str) {
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let gate = Gate::hold(&first.database_url).await;
+    let p = producer(&broker.bootstrap);
+    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "gate": true })).await;
+    let host = next_host(&broker, first, |c| {
+        c.consumer.backoff_initial = Duration::from_millis(50);
+        c.consumer.backoff_max = Duration::from_secs(2);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    // Tries at 0, 0.15, 0.31, 0.51, 0.76, 1.1, 1.5, 2.0, 2.6, 3.4, 4.3, 5.5 s.
+    let tries = host.tries_at_a_lock("testbed", Duration::from_secs(6)).await;
+    assert!((3..=20).contains(&tries), "{logical}: {tries} tries in 6 s");
+    gate.release().await;
+    eventually(Duration::from_secs(10), "the event takes effect", || async {
+        total_effects(&host).await == 1
+    })
+    .await;
+    assert_eq!(host.count("SELECT count(*) FROM obx.dead_letter").await, 0, "{logical}");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_handler_held_at_a_lock_is_tried_less_and_less_often() {
+    a_handler_held_at_a_lock_is_tried_less_and_less_often(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_handler_held_at_a_lock_is_tried_less_and_less_often() {
+    a_handler_held_at_a_lock_is_tried_less_and_less_often(INBOX).await;
+}
+
 #[tokio::test]
 async fn a_dedup_handler_that_loses_to_a_lock_is_not_charged_an_attempt() {
     a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(DEDUP).await;

@@ -218,13 +218,14 @@ async fn a_failing_timer_is_retried_then_parked() {
 }
 
 /// A host whose timer handlers give up a lock wait after 100 ms, whose timers are parked
-/// after two counted attempts and whose lost races go uncounted for `grace`, with a timer due
-/// now whose handler waits for the gate, which the test holds.
-async fn a_timer_at_the_gate(grace: Duration) -> (TestHost, Gate) {
+/// after two counted attempts, whose backoff is 50 ms doubling up to `backoff_max` and whose
+/// lost races go uncounted for `grace`, with a timer due now whose handler waits for the
+/// gate, which the test holds.
+async fn a_timer_at_the_gate(grace: Duration, backoff_max: Duration) -> (TestHost, Gate) {
     let host = spawn_host_with(&["testbed"], |c| {
         c.consumer.max_attempts = 2;
         c.consumer.backoff_initial = Duration::from_millis(50);
-        c.consumer.backoff_max = Duration::from_millis(100);
+        c.consumer.backoff_max = backoff_max;
         c.consumer.contention_grace = grace;
         c.limits.lock_timeout = Duration::from_millis(100);
     })
@@ -241,7 +242,7 @@ async fn a_timer_at_the_gate(grace: Duration) -> (TestHost, Gate) {
 /// and the timer parked after `consumer.max_attempts`.
 #[tokio::test]
 async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
-    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(600)).await;
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(600), Duration::from_millis(100)).await;
     eventually(Duration::from_secs(20), "the timer loses a race", || async {
         host.count("SELECT count(*) FROM obx.timer WHERE last_error IS NOT NULL")
             .await
@@ -267,12 +268,29 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
     host.shutdown().await;
 }
 
+/// A timer whose handler keeps losing to a lock is tried less and less often while the lock
+/// stays: after a quarter of the time since its first lost race, at least the backoff and at
+/// most `consumer.backoff_max` (`obx_api.timer_defer`). At the attempt's backoff it was tried
+/// every lock wait and backoff, about 40 times in these 6 s.
+#[tokio::test]
+async fn a_timer_held_at_a_lock_is_tried_less_and_less_often() {
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(600), Duration::from_secs(2)).await;
+    let tries = host.tries_at_a_lock("testbed", Duration::from_secs(6)).await;
+    assert!((3..=20).contains(&tries), "{tries} tries in 6 s");
+    gate.release().await;
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// Past `consumer.contention_grace` from its first lost race, a timer whose handler keeps
 /// losing to a lock is charged again, and parked after `consumer.max_attempts`: a lock
 /// nobody releases ends in a parked timer, not in one tried for ever.
 #[tokio::test]
 async fn a_timer_that_keeps_losing_past_the_grace_is_parked() {
-    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(1)).await;
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(1), Duration::from_millis(100)).await;
     let (attempts, error) = the_parked_timer(&host).await;
     assert_eq!(attempts, 2, "{error}");
     assert!(error.contains("lock"), "{error}");

@@ -54,6 +54,9 @@ pub struct ConsumerConfig {
     pub max_attempts: u32,
     #[serde(with = "humantime_serde")]
     pub backoff_initial: Duration,
+    /// The longest wait between attempts, and between the tries of a handler that keeps
+    /// losing to concurrent work (which wait a quarter of the time since the first such
+    /// failure, from the backoff up to this).
     #[serde(with = "humantime_serde")]
     pub backoff_max: Duration,
     /// How long an event or a timer whose handler keeps losing to concurrent work (a lock

@@ -559,8 +559,9 @@ impl TimerService {
     }
 
     /// Records a failed firing of `due` in `tx`, with `message` for its log line. A lost race
-    /// within `consumer.contention_grace` of the first is due again after the backoff as the
-    /// same attempt (`obx_api.timer_defer`); any other failure is due again as the next
+    /// within `consumer.contention_grace` of the first is due again as the same attempt
+    /// (`obx_api.timer_defer`), after a quarter of the time since then, between the backoff and
+    /// `consumer.backoff_max`; any other failure is due again as the next
     /// attempt, or parked after `consumer.max_attempts` (`obx_api.timer_fail`).
     async fn record_failure(
         &self,
@@ -574,13 +575,14 @@ impl TimerService {
         let retry = backoff(self.config.backoff_initial, self.config.backoff_max, attempt);
         let error = crate::db::storable(&failure.error);
         if failure.lost_race && !self.config.contention_grace.is_zero() {
-            let answer: String = sqlx::query_scalar("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6, $7)")
+            let answer: String = sqlx::query_scalar("SELECT obx_api.timer_defer($1, $2, $3, $4, $5, $6, $7, $8)")
                 .bind(&due.name)
                 .bind(&due.key)
                 .bind(due.generation)
                 .bind(due.attempts)
                 .bind(&*error)
                 .bind(retry.as_millis() as i64)
+                .bind(self.config.backoff_max.as_millis() as i64)
                 .bind(self.config.contention_grace.as_millis() as i64)
                 .fetch_one(&mut **tx)
                 .await?;

@@ -620,6 +620,39 @@ impl TestHost {
         .await
     }
 
+    /// How many transactions of plugin `name` wait for a lock over `during`, from the first
+    /// one seen (within 30 s): a handler's tries at a lock held meanwhile, each of which waits
+    /// for it until `limits.lock_timeout`. Sampled every 10 ms, so each wait must last longer.
+    pub async fn tries_at_a_lock(&self, name: &str, during: Duration) -> usize {
+        let role = self.plugin_role(name).await;
+        let waiting = || async {
+            sqlx::query_scalar::<_, String>(
+                "SELECT pid::text || ' ' || xact_start::text FROM pg_stat_activity \
+                 WHERE usename = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(&role)
+            .fetch_all(&self.db)
+            .await
+            .unwrap()
+        };
+        let mut seen = std::collections::HashSet::new();
+        let first_by = tokio::time::Instant::now() + Duration::from_secs(30);
+        while seen.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < first_by,
+                "no handler of {name} waits for a lock"
+            );
+            seen.extend(waiting().await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let end = tokio::time::Instant::now() + during;
+        while tokio::time::Instant::now() < end {
+            seen.extend(waiting().await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        seen.len()
+    }
+
     /// The database role of plugin `name`.
     pub async fn plugin_role(&self, name: &str) -> String {
         sqlx::query_scalar("SELECT role_name FROM obx.plugin WHERE name = $1")

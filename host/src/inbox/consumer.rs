@@ -27,7 +27,7 @@ const PLUGIN_AWAY_POLL: Duration = Duration::from_millis(100);
 use super::handling::{self, Deferred, Failure, Job, Ran, Undo};
 use super::leased::{self, Leased, Tracked};
 use super::stuck::{self, Progress};
-use super::{backoff, Incoming};
+use super::{backoff, contended_wait, Incoming};
 use crate::config::{Assignment, ConsumerConfig, KafkaConfig};
 use crate::db::storable;
 use crate::dispatch::Dispatcher;
@@ -803,9 +803,12 @@ impl Lane {
         failure: &Failure,
     ) -> Option<Done> {
         let (error, at) = (&failure.error, tries.attempt);
+        let mut pause = backoff(self.config.backoff_initial, self.config.backoff_max, at);
         match tries.lost_race(failure, self.config.contention_grace) {
             Some(deferred @ (Deferred::First | Deferred::Again)) => {
-                deferred.report(&self.plugin, &event.event_id, error)
+                deferred.report(&self.plugin, &event.event_id, error);
+                let contended = tries.contended_since.map_or(Duration::ZERO, |since| since.elapsed());
+                pause = contended_wait(contended, pause, self.config.backoff_max);
             }
             _ => {
                 tracing::warn!(plugin = %self.plugin, event_id = %event.event_id, attempt = at, error, "event handler failed");
@@ -815,7 +818,6 @@ impl Lane {
                 tries.attempt += 1;
             }
         }
-        let pause = backoff(self.config.backoff_initial, self.config.backoff_max, at);
         if self.pause(pause).await {
             return Some(Done::Stopped);
         }

@@ -322,8 +322,10 @@ impl Processor {
     }
 
     /// Records in `tx` that the handler of `claimed` lost to concurrent work: within
-    /// `consumer.contention_grace` of its first lost race, the event is due again after
-    /// `delay` (its next attempt's backoff), as the same attempt (`obx_api.inbox_defer`).
+    /// `consumer.contention_grace` of its first lost race, the event is due again as the same
+    /// attempt (`obx_api.inbox_defer`), after a quarter of the time since that race, at least
+    /// `delay` (its next attempt's backoff) and at most `consumer.backoff_max`
+    /// ([`super::contended_wait`]).
     async fn defer(
         &self,
         tx: &mut PluginTx,
@@ -332,11 +334,12 @@ impl Processor {
         failure: &Failure,
         delay: std::time::Duration,
     ) -> anyhow::Result<Deferred> {
-        let answer: String = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4, $5)")
+        let answer: String = sqlx::query_scalar("SELECT obx_api.inbox_defer($1, $2, $3, $4, $5, $6)")
             .bind(claimed.job.event_id)
             .bind(claimed.attempts)
             .bind(crate::db::storable(&failure.error))
             .bind(delay.as_secs_f64())
+            .bind(self.config.backoff_max.as_secs_f64())
             .bind(self.config.contention_grace.as_secs_f64())
             .fetch_one(&mut **tx)
             .await?;
