@@ -285,6 +285,43 @@ async fn a_timer_held_at_a_lock_is_tried_less_and_less_often() {
     host.shutdown().await;
 }
 
+/// A timer scheduled again starts a new episode of contention: its first lost race after
+/// that is not charged, however long ago the old episode began (`obx_api.timer_defer` keeps
+/// `contended_since` only when it is not older than `scheduled_at`). Without that, a timer
+/// that had lost races once kept its old episode, and its next lost race past the grace was
+/// charged at once.
+#[tokio::test]
+async fn a_timer_scheduled_again_starts_a_new_episode_of_contention() {
+    let (host, gate) = a_timer_at_the_gate(Duration::from_secs(3), Duration::from_millis(100)).await;
+    let lost = "SELECT count(*) FROM obx.timer WHERE last_error IS NOT NULL";
+    eventually(Duration::from_secs(20), "the timer loses a race", || async {
+        host.count(lost).await == 1
+    })
+    .await;
+    // Due again past the old episode's grace (3 s), the gate still held.
+    let body = json!({ "name": "t", "key": "k", "delay_ms": 4000, "payload": { "gate": true } });
+    assert_eq!(schedule(&host, body).await, 200);
+    assert_eq!(host.count(lost).await, 0, "scheduling it again clears its error");
+    eventually(
+        Duration::from_secs(20),
+        "the timer scheduled again loses a race",
+        || async { host.count(lost).await == 1 },
+    )
+    .await;
+    let (attempts, parked, error): (i32, bool, Option<String>) =
+        sqlx::query_as("SELECT attempts, parked_at IS NOT NULL, last_error FROM obx.timer")
+            .fetch_one(&host.db)
+            .await
+            .unwrap();
+    assert_eq!((attempts, parked), (0, false), "the old episode was kept: {error:?}");
+    gate.release().await;
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(&host).await == 1
+    })
+    .await;
+    host.shutdown().await;
+}
+
 /// Past `consumer.contention_grace` from its first lost race, a timer whose handler keeps
 /// losing to a lock is charged again, and parked after `consumer.max_attempts`: a lock
 /// nobody releases ends in a parked timer, not in one tried for ever.
