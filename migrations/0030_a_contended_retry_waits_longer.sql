@@ -30,7 +30,7 @@ CREATE FUNCTION obx_api.inbox_defer(p_event_id uuid, p_attempts integer, p_error
 DECLARE
     v_consumer text := (obx.session_plugin()).name;
     v_since    timestamptz;
-    v_now      timestamptz := clock_timestamp();
+    v_now      timestamptz;
 BEGIN
     SELECT e.contended_since INTO v_since FROM obx.inbox_event e
     WHERE e.consumer = v_consumer AND e.event_id = p_event_id AND NOT e.parked
@@ -40,6 +40,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'gone';
     END IF;
+    -- After the row's lock: the retry is timed from when the try is recorded.
+    v_now := clock_timestamp();
     IF coalesce(p_grace, 0) <= 0 OR v_since < v_now - make_interval(secs => p_grace) THEN
         RETURN 'charge';
     END IF;
@@ -68,7 +70,7 @@ CREATE FUNCTION obx_api.timer_defer(p_name text, p_key text, p_generation bigint
 DECLARE
     v_plugin obx.plugin := obx.session_plugin();
     v_since  timestamptz;
-    v_now    timestamptz := clock_timestamp();
+    v_now    timestamptz;
     v_wait   double precision;
 BEGIN
     SELECT CASE WHEN t.contended_since >= t.scheduled_at THEN t.contended_since END INTO v_since
@@ -79,6 +81,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'gone';
     END IF;
+    -- After the row's lock: the retry is timed from when the try is recorded.
+    v_now := clock_timestamp();
     IF coalesce(p_grace_ms, 0) <= 0 OR v_since < v_now - make_interval(secs => p_grace_ms / 1000.0) THEN
         RETURN 'charge';
     END IF;
@@ -99,3 +103,19 @@ CREATE OR REPLACE FUNCTION obx_api.timer_defer(p_name text, p_key text, p_genera
     RETURNS text LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT obx_api.timer_defer(p_name, p_key, p_generation, p_attempts, p_error, p_retry_ms, p_retry_ms, p_grace_ms)
 $$;
+
+-- The wrappers keep their owner, which runs the new functions for them: should another role
+-- apply this migration than the one that made them, that owner may still call them.
+DO $$
+BEGIN
+    EXECUTE format('GRANT EXECUTE ON FUNCTION obx_api.inbox_defer(uuid, integer, text, double precision, '
+                   'double precision, double precision) TO %s',
+                   (SELECT p.proowner::regrole::text FROM pg_catalog.pg_proc p
+                     WHERE p.oid = 'obx_api.inbox_defer(uuid, integer, text, double precision, '
+                                   'double precision)'::regprocedure));
+    EXECUTE format('GRANT EXECUTE ON FUNCTION obx_api.timer_defer(text, text, bigint, integer, text, bigint, '
+                   'bigint, bigint) TO %s',
+                   (SELECT p.proowner::regrole::text FROM pg_catalog.pg_proc p
+                     WHERE p.oid = 'obx_api.timer_defer(text, text, bigint, integer, text, bigint, '
+                                   'bigint)'::regprocedure));
+END $$;

@@ -324,7 +324,7 @@ impl Processor {
     /// Records in `tx` that the handler of `claimed` lost to concurrent work: within
     /// `consumer.contention_grace` of its first lost race, the event is due again as the same
     /// attempt (`obx_api.inbox_defer`), after a quarter of the time since that race, at least
-    /// `delay` (its next attempt's backoff) and at most `consumer.backoff_max`
+    /// `delay` (the backoff of the attempt it repeats) and at most `consumer.backoff_max`
     /// ([`super::contended_wait`]).
     async fn defer(
         &self,
