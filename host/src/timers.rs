@@ -426,11 +426,11 @@ impl TimerService {
     /// What a batch whose commit failed (`e`), having run `ran` timers of which `done` did
     /// their work, comes to.
     async fn commit_failed(&self, name: &str, e: sqlx::Error, ran: usize, done: &[Due]) -> anyhow::Result<Batch> {
-        if !crate::db::refused_for_content(&e) && !crate::db::sessions::commit_cut(&e) {
+        let Some(failure) = crate::inbox::handling::refused_commit(&e) else {
             // The database or the connection failed, not the timers: none is charged, and
             // the loop backs off.
             return Err(e.into());
-        }
+        };
         if ran > 1 {
             // Which timer's work the commit refused cannot be told: none is charged (the
             // failures recorded in the batch went with it), and each of the timers it ran
@@ -444,10 +444,10 @@ impl TimerService {
             // with the commit): the loop backs off.
             return Err(e.into());
         }
-        // The one timer's work cannot commit: it counts as failed, or it would fire for ever.
-        // Its own retry delay keeps it from firing again at once; the loop goes on.
+        // The one timer's work cannot commit: it counts as failed (unless it lost a race within
+        // the grace), or it would fire for ever. Its own retry delay keeps it from firing
+        // again at once; the loop goes on.
         let mut fresh = self.dispatcher.sessions.begin(name).await?;
-        let failure = Failure::charged(format!("the transaction could not commit: {e}"), true);
         for due in done {
             self.record_failure(&mut fresh, name, due, &failure, "a timer's work could not commit")
                 .await?;

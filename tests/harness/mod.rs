@@ -583,27 +583,31 @@ impl TestHost {
     /// inserted into it. Done on the plugin's session, as a plugin that got past the SQL
     /// policy would: migrations may not create functions, and the database lets the role.
     pub async fn make_deferred_raise(&self) {
-        let mut session = self.plugin_session("testbed").await;
-        sqlx::raw_sql(
-            "CREATE TABLE deferred_raise (id text); \
-             CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
-               $$ BEGIN RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id; END $$; \
-             CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
-               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()",
-        )
-        .execute(&mut session)
-        .await
-        .unwrap();
+        self.make_deferred("RAISE EXCEPTION 'the testbed refuses % at commit', NEW.id;")
+            .await
     }
 
     /// As [`TestHost::make_deferred_raise`], with a trigger that holds the commit `seconds`
     /// instead of refusing it: plugin code at the commit that runs on.
     pub async fn make_deferred_sleep(&self, seconds: f64) {
+        self.make_deferred(&format!("PERFORM pg_sleep({seconds}); RETURN NULL;"))
+            .await
+    }
+
+    /// As [`TestHost::make_deferred_raise`], with a trigger that locks the row of [`Gate`]:
+    /// while a test holds the gate, such a commit waits for it until `limits.lock_timeout`.
+    pub async fn make_deferred_gate(&self) {
+        self.make_deferred("PERFORM n FROM testbed.counters WHERE name = 'gate' FOR UPDATE; RETURN NULL;")
+            .await
+    }
+
+    /// The table `deferred_raise` with a deferred trigger running `body` at the commit.
+    async fn make_deferred(&self, body: &str) {
         let mut session = self.plugin_session("testbed").await;
         sqlx::raw_sql(&format!(
             "CREATE TABLE deferred_raise (id text); \
              CREATE FUNCTION deferred_raise() RETURNS trigger LANGUAGE plpgsql AS \
-               $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NULL; END $$; \
+               $$ BEGIN {body} END $$; \
              CREATE CONSTRAINT TRIGGER deferred_raise AFTER INSERT ON deferred_raise \
                DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_raise()"
         ))

@@ -160,10 +160,24 @@ impl Deferred {
 /// counts as a failed attempt of the event it carried, and the event is parked in the end;
 /// a cut commit that went through all the same is found done (dedup: its `processed_event`
 /// row, read at once and at the next attempt; inbox: the attempt is dropped for a processed
-/// row). Any other error is the database's.
+/// row).
+///
+/// A commit that lost to concurrent work (plugin code at the commit, such as a deferred
+/// trigger or check, that waited past `lock_timeout` or lost a deadlock) is a lost race of
+/// the event's, as one of its handler's statements would be ([`Failure::lost_race`]): not
+/// charged for `consumer.contention_grace`, then charged. It was the database's, retried
+/// without end and without counting: a deferred trigger that waits on a lock nobody releases
+/// held its key (in dedup mode, its partition) for ever. Any other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     if crate::db::sessions::commit_cut(e) {
         return Some(Failure::charged(format!("the commit was cut off: {e}"), true));
+    }
+    if crate::db::lost_a_race(e) {
+        return Some(Failure {
+            error: format!("the commit lost to concurrent work: {e}"),
+            retriable: true,
+            lost_race: true,
+        });
     }
     crate::db::refused_for_content(e).then(|| Failure::charged(format!("the commit was refused: {e}"), true))
 }
