@@ -1199,6 +1199,53 @@ async fn an_event_whose_commit_keeps_losing_past_the_grace_is_parked(logical: &s
     host.shutdown().await;
 }
 
+/// An event whose outbox rows wait at the commit for a lock on the host's own table (a newer
+/// host's migration, an operator's `LOCK`) did nothing wrong: the race is the host's, lost
+/// before the `COMMIT`, and the event is tried again as the database's failure, never
+/// charged, whatever the grace; it takes effect once the lock goes. Taken for the event's
+/// lost race, every event whose handler emits was parked once the grace had passed.
+async fn an_event_whose_outbox_rows_wait_on_the_hosts_lock_is_not_charged(logical: &str) {
+    use sqlx::Connection;
+    let broker = broker();
+    let (first, topic) = not_consuming(&broker, logical).await;
+    let p = producer(&broker.bootstrap);
+    let emit = json!({ "topic": "testbed.alpha" });
+    let a1 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "emit": emit })).await;
+    let mut lock = sqlx::PgConnection::connect(&first.database_url).await.unwrap();
+    for statement in ["BEGIN", "LOCK TABLE obx.outbox_event IN SHARE MODE"] {
+        sqlx::query(statement).execute(&mut lock).await.unwrap();
+    }
+    let host = racing_host(&broker, first, Duration::from_secs(1)).await;
+    a_handler_waits_at_the_gate(&host).await;
+    // Past the grace (1 s), and far past two attempts' tries.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let parked = "SELECT count(*) FROM obx.dead_letter";
+    assert_eq!(host.count(parked).await, 0, "{logical}: parked for the host's lock");
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+    eventually(Duration::from_secs(20), "the event takes effect", || async {
+        total_effects(&host).await == 1
+    })
+    .await;
+    let attempt = host
+        .count(&format!(
+            "SELECT attempt::int8 FROM testbed.effects WHERE event_id = '{a1}'"
+        ))
+        .await;
+    assert_eq!(attempt, 1, "{logical}: the host's lock waits were counted as attempts");
+    assert_eq!(host.count(parked).await, 0, "{logical}");
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_whose_outbox_rows_wait_on_the_hosts_lock_is_not_charged() {
+    an_event_whose_outbox_rows_wait_on_the_hosts_lock_is_not_charged(DEDUP).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_whose_outbox_rows_wait_on_the_hosts_lock_is_not_charged() {
+    an_event_whose_outbox_rows_wait_on_the_hosts_lock_is_not_charged(INBOX).await;
+}
+
 #[tokio::test]
 async fn a_dedup_event_whose_commit_keeps_losing_past_the_grace_is_parked() {
     an_event_whose_commit_keeps_losing_past_the_grace_is_parked(DEDUP).await;

@@ -62,7 +62,12 @@ pub fn refused_for_content(e: &sqlx::Error) -> bool {
 /// failure, a deadlock) or gave up waiting for a lock (55P03): it was undone, and a retry may
 /// pass.
 pub fn lost_a_race(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.code().is_some_and(|c| c.starts_with("40") || c == "55P03"))
+    matches!(e, sqlx::Error::Database(d) if lost_a_race_code(d.code()))
+}
+
+/// Whether a SQLSTATE is a lost race's (see [`lost_a_race`]).
+fn lost_a_race_code(code: Option<std::borrow::Cow<'_, str>>) -> bool {
+    code.is_some_and(|c| c.starts_with("40") || c == "55P03")
 }
 
 /// Whether a statement waited its `lock_timeout` for a lock and gave up (SQLSTATE 55P03).

@@ -106,6 +106,56 @@ pub fn commit_cut(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Io(io) if io.get_ref().is_some_and(|inner| inner.is::<CommitCut>()))
 }
 
+/// A lost race ([`super::lost_a_race`]) of a statement that a commit's round trip runs before
+/// its `COMMIT`: the check, or the host's own writes (`PluginTx::write_at_commit`: the
+/// outbox rows), which wait on the host's tables (a migration, an operator's `LOCK`), not on
+/// anything plugin code did. It keeps the error's SQLSTATE and message, so that a command is
+/// still answered `contention`; [`lost_before_commit`] tells it apart from plugin code that
+/// lost at the `COMMIT` (a deferred trigger or check), which an event is charged for in the
+/// end.
+#[derive(Debug)]
+struct BeforeCommit(Box<dyn sqlx::error::DatabaseError>);
+
+impl std::fmt::Display for BeforeCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BeforeCommit {}
+
+impl sqlx::error::DatabaseError for BeforeCommit {
+    fn message(&self) -> &str {
+        self.0.message()
+    }
+
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        self.0.code()
+    }
+
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        self.0.kind()
+    }
+}
+
+/// Whether `e` is a [`BeforeCommit`]: a commit's round trip that lost a race in one of the
+/// host's statements, before its `COMMIT`.
+pub fn lost_before_commit(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.try_downcast_ref::<BeforeCommit>().is_some())
+}
+
 /// A plugin statement or commit that takes this long is logged (by the host, without the
 /// values it carried).
 pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
@@ -554,7 +604,8 @@ struct CommitReply {
 /// `before_check`, the `COMMIT` the one after the first `before_commit`) and tells whether
 /// its `COMMIT` completed: each statement that completes sends its own completion, so an
 /// error after `before_commit + 1` of them came after the commit. An error at or before the
-/// `COMMIT` is returned: nothing was committed.
+/// `COMMIT` is returned: nothing was committed. A lost race before the `COMMIT` is returned
+/// as a [`BeforeCommit`].
 async fn commit_round_trip(
     conn: &mut PgConnection,
     sql: &str,
@@ -577,6 +628,9 @@ async fn commit_round_trip(
                     started,
                     after_commit: Some(e),
                 });
+            }
+            Err(sqlx::Error::Database(db)) if completed < before_commit && super::lost_a_race_code(db.code()) => {
+                return Err(sqlx::Error::Database(Box::new(BeforeCommit(db))));
             }
             Err(e) => return Err(e),
         }

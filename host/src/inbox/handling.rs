@@ -162,17 +162,20 @@ impl Deferred {
 /// row, read at once and at the next attempt; inbox: the attempt is dropped for a processed
 /// row).
 ///
-/// A commit that lost to concurrent work (plugin code at the commit, such as a deferred
+/// A `COMMIT` that lost to concurrent work (plugin code at the commit, such as a deferred
 /// trigger or check, that waited past `lock_timeout` or lost a deadlock) is a lost race of
 /// the event's, as one of its handler's statements would be ([`Failure::lost_race`]): not
 /// charged for `consumer.contention_grace`, then charged. It was the database's, retried
 /// without end and without counting: a deferred trigger that waits on a lock nobody releases
-/// held its key (in dedup mode, its partition) for ever. Any other error is the database's.
+/// held its key (in dedup mode, its partition) for ever. A race the host's own statements
+/// lost before the `COMMIT` (the outbox rows' insert waiting on a migration's lock,
+/// [`crate::db::sessions::lost_before_commit`]) stays the database's: no event is to blame.
+/// Any other error is the database's.
 pub(crate) fn refused_commit(e: &sqlx::Error) -> Option<Failure> {
     if crate::db::sessions::commit_cut(e) {
         return Some(Failure::charged(format!("the commit was cut off: {e}"), true));
     }
-    if crate::db::lost_a_race(e) {
+    if crate::db::lost_a_race(e) && !crate::db::sessions::lost_before_commit(e) {
         return Some(Failure {
             error: format!("the commit lost to concurrent work: {e}"),
             retriable: true,

@@ -45,8 +45,8 @@ pub struct Processor {
     pub config: ConsumerConfig,
     pub wake: watch::Receiver<u64>,
     pub shutdown: watch::Receiver<bool>,
-    /// Consumers whose batch commit was refused for something a handler did (see
-    /// [`handling::refused_commit`]), with how many more events each takes one at a time
+    /// Consumers whose batch commit was refused for something a handler did, or lost a race
+    /// at its `COMMIT` (see [`handling::refused_commit`]), with how many more events each takes one at a time
     /// (`consumer.batch_max_events`, as many as the refused batch could hold), so that the
     /// refusal names its event, which is retried and parked in the end.
     pub one_at_a_time: std::sync::Mutex<std::collections::HashMap<String, u32>>,
@@ -259,13 +259,14 @@ impl Processor {
         self.lock_single().contains_key(consumer)
     }
 
-    /// The commit of a batch was refused for something a handler did. One event alone: its
-    /// attempt is recorded. Several: the consumer's next events go one at a time, to find it.
+    /// The commit of a batch was refused for something a handler did, or lost a race at its
+    /// `COMMIT`. One event alone: its attempt (or lost race) is recorded. Several: the
+    /// consumer's next events go one at a time, to find it.
     async fn commit_refused(&self, consumer: &str, fresh: &[&Claimed], failure: &Failure) -> anyhow::Result<Outcome> {
         if let [only] = fresh {
             self.record_apart(consumer, only, failure).await?;
         } else {
-            tracing::warn!(consumer, error = %failure.error, "an inbox batch's commit was refused; its events go one at a time");
+            tracing::warn!(consumer, error = %failure.error, "an inbox batch could not commit; its events go one at a time");
             self.lock_single()
                 .insert(consumer.to_string(), self.config.batch_max_events.max(1));
         }
