@@ -184,6 +184,40 @@ async fn a_plugin_with_any_sql_still_cannot_reach_the_host_or_another_plugin() {
     host.shutdown().await;
 }
 
+/// A database whose schemas let PUBLIC create objects (`public` on a Postgres before 15, or
+/// on a cluster upgraded from one), or that lets PUBLIC create schemas, is mended when the
+/// host starts: a plugin past the SQL policy cannot keep tables or functions outside its own
+/// schema, where the host never clears them and where a function named like a built-in is a
+/// trap for an administrator whose `search_path` reaches it. Before, the host revoked only
+/// `TEMPORARY`, and the plugin's `CREATE` went through.
+#[tokio::test]
+async fn a_plugin_cannot_create_objects_outside_its_schema_where_public_was_granted_it() {
+    use sqlx::ConnectOptions;
+    let url = fresh_database().await;
+    let name = url.rsplit('/').next().unwrap().to_string();
+    let admin_options: sqlx::postgres::PgConnectOptions = admin_url().parse().unwrap();
+    let mut admin = admin_options.database(&name).connect().await.unwrap();
+    for grant in [
+        "GRANT CREATE ON SCHEMA public TO PUBLIC".to_string(),
+        format!("GRANT CREATE ON DATABASE {name} TO PUBLIC"),
+    ] {
+        sqlx::query(&grant).execute(&mut admin).await.unwrap();
+    }
+    let _ = admin.close().await;
+    let host = spawn_host_on(&url, &["testbed"], |_| {}).await;
+    let mut session = host.plugin_session("testbed").await;
+    for sql in [
+        "CREATE TABLE public.planted (x int)",
+        "CREATE FUNCTION public.lower(varchar) RETURNS text LANGUAGE sql AS 'SELECT 1'",
+        "CREATE SCHEMA planted",
+    ] {
+        let e = sqlx::raw_sql(sql).execute(&mut session).await.expect_err(sql);
+        let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.to_string());
+        assert_eq!(code.as_deref(), Some("42501"), "{sql}: {e}");
+    }
+    host.shutdown().await;
+}
+
 /// Whatever a call leaves on its session (session advisory locks, settings, cursors, LISTEN,
 /// a transaction it never ended) is gone before the session serves another call.
 #[tokio::test]

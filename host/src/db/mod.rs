@@ -193,6 +193,7 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     sqlx::query("RESET lock_timeout").execute(&mut *conn).await?;
     run?;
     revoke_temporary(&mut conn).await;
+    revoke_create(&mut conn).await;
     Ok(())
 }
 
@@ -504,6 +505,48 @@ async fn revoke_temporary(conn: &mut sqlx::PgConnection) {
              the SQL policy refuses them, but the database should refuse them too"
         );
     }
+}
+
+/// A schema where `PUBLIC` may create objects (`public` on a Postgres before 15, or on a
+/// cluster upgraded from one), or a database where it may create schemas, lets a plugin keep
+/// tables and functions outside its own schema: state the host never clears, and traps for
+/// anyone whose `search_path` reaches them (a function named like a built-in, run by an
+/// administrator). The host revokes the right where it owns the schema or the database;
+/// otherwise it says what the operator should do.
+async fn revoke_create(conn: &mut sqlx::PgConnection) {
+    // A non-owner's REVOKE only warns, so check again after it.
+    let _ = sqlx::Executor::execute(
+        &mut *conn,
+        "DO $$ DECLARE s text; BEGIN \
+           FOR s IN SELECT nspname FROM pg_catalog.pg_namespace WHERE has_schema_privilege('public', oid, 'CREATE') LOOP \
+             EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM PUBLIC', s); \
+           END LOOP; \
+           IF has_database_privilege('public', current_database(), 'CREATE') THEN \
+             EXECUTE format('REVOKE CREATE ON DATABASE %I FROM PUBLIC', current_database()); \
+           END IF; END $$",
+    )
+    .await;
+    let left = public_may_create_in(&mut *conn).await;
+    if !left.is_empty() {
+        tracing::warn!(
+            schemas = ?left,
+            "PUBLIC may create objects in these schemas (or schemas in this database); run `REVOKE \
+             CREATE ON SCHEMA <schema> FROM PUBLIC` (and `REVOKE CREATE ON DATABASE <db> FROM \
+             PUBLIC`) as their owner. Until then a plugin past the SQL policy can keep objects \
+             outside its own schema"
+        );
+    }
+}
+
+/// The schemas where `PUBLIC` may create objects, and `<database>` when it may create schemas.
+async fn public_may_create_in(conn: &mut sqlx::PgConnection) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_catalog.pg_namespace WHERE has_schema_privilege('public', oid, 'CREATE') \
+         UNION ALL SELECT '<database>' WHERE has_database_privilege('public', current_database(), 'CREATE')",
+    )
+    .fetch_all(conn)
+    .await
+    .unwrap_or_default()
 }
 
 async fn public_has_temp(conn: &mut sqlx::PgConnection) -> bool {
