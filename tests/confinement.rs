@@ -271,12 +271,21 @@ async fn nothing_a_call_leaves_on_its_session_survives_it() {
     );
     assert_eq!(clean(&after), expected, "state survived a commit");
 
-    // The same after a rollback: session advisory locks are not transactional.
+    // The same after a rollback: session advisory locks are not transactional. They are
+    // released at once, not at the session's next call: held by an idle pooled session
+    // (up to a minute), they would keep a plugin's locks, thousands of them, in the server's
+    // shared lock table, which every session of every database needs.
     sqlx::raw_sql("SELECT pg_advisory_lock(8)")
         .execute(&mut *tx)
         .await
         .unwrap();
     tx.rollback().await.unwrap();
+    let idle_locks = format!("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = {first_pid}");
+    assert_eq!(
+        host.count(&idle_locks).await,
+        0,
+        "an idle pooled session holds a plugin's lock"
+    );
     let mut tx = sessions.begin("testbed").await.unwrap();
     let after = sqlx::query(probe).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(after.get::<i32, _>(0), first_pid);

@@ -567,7 +567,12 @@ impl PluginTx {
                 return Ok(());
             }
         } else {
-            (&mut **conn).execute(format!("ROLLBACK; {CLEAR}").as_str()).await?;
+            // Session advisory locks outlive a rollback: released here, not at the next call's
+            // `BEGIN`, so that an idle pooled session holds none in the server's shared lock
+            // table. (A commit's check has released them already.)
+            (&mut **conn)
+                .execute(format!("ROLLBACK; {CLEAR}; SELECT pg_catalog.pg_advisory_unlock_all()").as_str())
+                .await?;
         }
         // Clean: back to the pool. On error, `Drop` closes it instead.
         drop(self.conn.take());
