@@ -1088,13 +1088,21 @@ async fn a_handler_waits_at_the_gate(host: &TestHost) {
 /// not at fault: its event runs again after the backoff, as the same attempt, for as long as
 /// the lock is held (within `consumer.contention_grace`), and takes effect once, in its key's
 /// order, when the lock goes. Each such failure was charged, and the event parked after
-/// `consumer.max_attempts` (here within half a second), its key with it.
-async fn a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(logical: &str) {
+/// `consumer.max_attempts` (here within half a second), its key with it. With `at_commit`,
+/// the wait is plugin code's at the commit (a deferred trigger), which is the event's lost
+/// race too.
+async fn a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(logical: &str, at_commit: bool) {
     let broker = broker();
     let (first, topic) = not_consuming(&broker, logical).await;
+    let waits = if at_commit {
+        first.make_deferred_gate().await;
+        json!({ "seq": 1, "defer_violation": "raise" })
+    } else {
+        json!({ "seq": 1, "gate": true })
+    };
     let gate = Gate::hold(&first.database_url).await;
     let p = producer(&broker.bootstrap);
-    let a1 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "gate": true })).await;
+    let a1 = send_event(&p, &topic, "A", "Thing", &waits).await;
     let a2 = send_event(&p, &topic, "A", "Thing", &json!({ "seq": 2 })).await;
     let host = racing_host(&broker, first, Duration::from_secs(600)).await;
     a_handler_waits_at_the_gate(&host).await;
@@ -1307,12 +1315,22 @@ async fn an_inbox_handler_held_at_a_lock_is_tried_less_and_less_often() {
 
 #[tokio::test]
 async fn a_dedup_handler_that_loses_to_a_lock_is_not_charged_an_attempt() {
-    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(DEDUP).await;
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(DEDUP, false).await;
 }
 
 #[tokio::test]
 async fn an_inbox_handler_that_loses_to_a_lock_is_not_charged_an_attempt() {
-    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(INBOX).await;
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(INBOX, false).await;
+}
+
+#[tokio::test]
+async fn a_dedup_event_whose_commit_loses_to_a_lock_is_not_charged_an_attempt() {
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(DEDUP, true).await;
+}
+
+#[tokio::test]
+async fn an_inbox_event_whose_commit_loses_to_a_lock_is_not_charged_an_attempt() {
+    a_handler_that_loses_to_a_lock_is_not_charged_an_attempt(INBOX, true).await;
 }
 
 /// An event whose commit plugin code holds past the host's bound (`commit_within`: four
