@@ -511,14 +511,22 @@ async fn revoke_temporary(conn: &mut sqlx::PgConnection) {
 /// cluster upgraded from one), or a database where it may create schemas, lets a plugin keep
 /// tables and functions outside its own schema: state the host never clears, and traps for
 /// anyone whose `search_path` reaches them (a function named like a built-in, run by an
-/// administrator). The host revokes the right where it owns the schema or the database;
-/// otherwise it says what the operator should do.
+/// administrator). The host revokes the right on `public`, on the schemas its role owns and
+/// on the database, where it may (it owns them; on a Postgres before 15 a superuser owns
+/// `public`); otherwise it says what the operator should do. Other applications' schemas in
+/// the database are theirs: the host only warns of them.
 async fn revoke_create(conn: &mut sqlx::PgConnection) {
+    let before = public_may_create_in(&mut *conn).await;
+    if before.is_empty() {
+        return;
+    }
     // A non-owner's REVOKE only warns, so check again after it.
     let _ = sqlx::Executor::execute(
         &mut *conn,
         "DO $$ DECLARE s text; BEGIN \
-           FOR s IN SELECT nspname FROM pg_catalog.pg_namespace WHERE has_schema_privilege('public', oid, 'CREATE') LOOP \
+           FOR s IN SELECT nspname FROM pg_catalog.pg_namespace \
+                    WHERE has_schema_privilege('public', oid, 'CREATE') \
+                      AND (nspname = 'public' OR pg_has_role(nspowner, 'USAGE')) LOOP \
              EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM PUBLIC', s); \
            END LOOP; \
            IF has_database_privilege('public', current_database(), 'CREATE') THEN \
@@ -527,13 +535,19 @@ async fn revoke_create(conn: &mut sqlx::PgConnection) {
     )
     .await;
     let left = public_may_create_in(&mut *conn).await;
+    let revoked: Vec<&String> = before.iter().filter(|s| !left.contains(s)).collect();
+    if !revoked.is_empty() {
+        tracing::info!(schemas = ?revoked, "revoked CREATE from PUBLIC (`<database>`: on the database)");
+    }
     if !left.is_empty() {
         tracing::warn!(
             schemas = ?left,
-            "PUBLIC may create objects in these schemas (or schemas in this database); run `REVOKE \
-             CREATE ON SCHEMA <schema> FROM PUBLIC` (and `REVOKE CREATE ON DATABASE <db> FROM \
-             PUBLIC`) as their owner. Until then a plugin past the SQL policy can keep objects \
-             outside its own schema"
+            "PUBLIC may create objects in these schemas (`<database>`: schemas in this database); \
+             as their owner (a superuser for `public` on a Postgres before 15), run `REVOKE CREATE \
+             ON SCHEMA <schema> FROM PUBLIC`, and `REVOKE CREATE ON DATABASE <db> FROM PUBLIC` \
+             after `GRANT CREATE ON DATABASE <db> TO <the host's user>` if the host creates its \
+             schemas through PUBLIC's right. Until then a plugin past the SQL policy can keep \
+             objects outside its own schema"
         );
     }
 }

@@ -569,7 +569,8 @@ impl PluginTx {
         } else {
             // Session advisory locks outlive a rollback: released here, not at the next call's
             // `BEGIN`, so that an idle pooled session holds none in the server's shared lock
-            // table. (A commit's check has released them already.)
+            // table. (A commit's check released those taken before it; plugin code at the
+            // `COMMIT` may take more, kept until the next call's `BEGIN`.)
             (&mut **conn)
                 .execute(format!("ROLLBACK; {CLEAR}; SELECT pg_catalog.pg_advisory_unlock_all()").as_str())
                 .await?;
