@@ -236,6 +236,15 @@ async fn a_timer_at_the_gate(grace: Duration, backoff_max: Duration) -> (TestHos
     (host, gate)
 }
 
+/// Releases `gate` and waits for the one timer to fire.
+async fn the_timer_fires_once_the_gate_opens(host: &TestHost, gate: Gate) {
+    gate.release().await;
+    eventually(Duration::from_secs(10), "the timer fires", || async {
+        fired(host).await == 1
+    })
+    .await;
+}
+
 /// A timer whose handler waits past `limits.lock_timeout` for a lock another session holds
 /// lost to concurrent work: it is due again after the backoff, as the same attempt, for as
 /// long as the lock is held, and fires once when it goes. Each such failure was charged,
@@ -258,11 +267,7 @@ async fn a_timer_that_loses_to_a_lock_is_not_charged_an_attempt() {
             .unwrap();
     assert_eq!((attempts, parked), (0, false), "{error:?}");
     assert!(error.as_deref().unwrap_or_default().contains("lock"), "{error:?}");
-    gate.release().await;
-    eventually(Duration::from_secs(10), "the timer fires", || async {
-        fired(&host).await == 1
-    })
-    .await;
+    the_timer_fires_once_the_gate_opens(&host, gate).await;
     let attempt = host.count("SELECT attempt::bigint FROM testbed.timers_fired").await;
     assert_eq!(attempt, 1, "the lock waits were counted as attempts");
     host.shutdown().await;
@@ -277,11 +282,7 @@ async fn a_timer_held_at_a_lock_is_tried_less_and_less_often() {
     let (host, gate) = a_timer_at_the_gate(Duration::from_secs(600), Duration::from_secs(2)).await;
     let tries = host.tries_at_a_lock("testbed", Duration::from_secs(6)).await;
     assert!((3..=20).contains(&tries), "{tries} tries in 6 s");
-    gate.release().await;
-    eventually(Duration::from_secs(10), "the timer fires", || async {
-        fired(&host).await == 1
-    })
-    .await;
+    the_timer_fires_once_the_gate_opens(&host, gate).await;
     host.shutdown().await;
 }
 
@@ -319,11 +320,7 @@ async fn a_timer_scheduled_again_starts_a_new_episode_of_contention() {
             .await
             .unwrap();
     assert_eq!((attempts, parked), (0, false), "the old episode was kept: {error:?}");
-    gate.release().await;
-    eventually(Duration::from_secs(10), "the timer fires", || async {
-        fired(&host).await == 1
-    })
-    .await;
+    the_timer_fires_once_the_gate_opens(&host, gate).await;
     host.shutdown().await;
 }
 
