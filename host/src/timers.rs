@@ -488,7 +488,7 @@ impl TimerService {
             attempt,
         };
         let scheduled_in = due.traceparent.as_deref().and_then(TraceContext::parse);
-        let failure = match self
+        let mut failed = match self
             .dispatcher
             .call_timer(plugin, tx, timer, scheduled_in.as_ref())
             .await
@@ -519,22 +519,11 @@ impl TimerService {
             }
             Err(failure) => failure,
         };
-        let EventFailure {
-            error,
-            retriable,
-            lost_race,
-            busy,
-            tx,
-        } = failure;
-        let failure = Failure {
-            error,
-            retriable,
-            lost_race,
-        };
-        match tx {
+        let failure = Failure::taken_from(&mut failed);
+        match failed.tx.take() {
             Some(mut back) if !back.is_poisoned() => {
                 back.execute("ROLLBACK TO SAVEPOINT obx_timer").await?;
-                if busy {
+                if failed.busy {
                     // No call slot: the host is overloaded, the timer is not at fault.
                     return Ok(Fired::Busy(back));
                 }
@@ -561,8 +550,8 @@ impl TimerService {
     /// Records a failed firing of `due` in `tx`, with `message` for its log line. A lost race
     /// within `consumer.contention_grace` of the first is due again as the same attempt
     /// (`obx_api.timer_defer`), after a quarter of the time since then, between the backoff and
-    /// `consumer.backoff_max`; any other failure is due again as the next
-    /// attempt, or parked after `consumer.max_attempts` (`obx_api.timer_fail`).
+    /// `consumer.backoff_max`; any other failure is due again as the next attempt, or parked
+    /// after `consumer.max_attempts` (`obx_api.timer_fail`).
     async fn record_failure(
         &self,
         tx: &mut PluginTx,

@@ -99,6 +99,15 @@ pub(crate) struct Failure {
 }
 
 impl Failure {
+    /// The failure `f` tells of, taken out of it (its session and call-slot flag stay).
+    pub fn taken_from(f: &mut crate::dispatch::EventFailure) -> Failure {
+        Failure {
+            error: std::mem::take(&mut f.error),
+            retriable: f.retriable,
+            lost_race: f.lost_race,
+        }
+    }
+
     /// A failure the handler, or what it sent, is to blame for.
     pub fn charged(error: String, retriable: bool) -> Failure {
         Failure {
@@ -139,8 +148,8 @@ impl Deferred {
     /// event's id, a timer's name and key): in `obx_handler_lost_races_total`, and in a log
     /// line at the first of an episode (a lock held for minutes would write one for every
     /// try). Told when recorded, before the commit: a try whose commit then fails, recorded
-    /// again apart, is told twice. An event so held up holds up its key, and in dedup mode its lane's partitions:
-    /// it shows in the consumer's lag, and in this counter.
+    /// again apart, is told twice. An event so held up holds up its key, and in dedup mode
+    /// its lane's partitions: it shows in the consumer's lag, and in this counter.
     pub fn report(self, plugin: &str, id: &dyn std::fmt::Display, error: &str) {
         match self {
             Deferred::First => tracing::warn!(plugin, id = %id, error,
@@ -293,11 +302,7 @@ pub(crate) async fn run(
                 }
             },
             Err(mut f) => {
-                let failure = Failure {
-                    error: std::mem::take(&mut f.error),
-                    retriable: f.retriable,
-                    lost_race: f.lost_race,
-                };
+                let failure = Failure::taken_from(&mut f);
                 return Ok(match f.tx.take() {
                     Some(back) if !back.is_poisoned() && undo == Undo::Transaction => {
                         back.rollback().await?;

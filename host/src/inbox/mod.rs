@@ -255,7 +255,8 @@ pub fn backoff(initial: std::time::Duration, max: std::time::Duration, attempt: 
 /// contention: a quarter of it, at least `least` (the attempt's backoff) and at most `most`
 /// (`consumer.backoff_max`) unless `least` is more. The first tries come as quickly as an
 /// attempt's, and with the defaults the whole grace costs about 105 tries of a lock wait
-/// (1 s each), not 550, and 140 of a race lost at once, not 6,000. `obx.contended_wait` (migration 0030) is the same rule for the inbox and timers.
+/// (1 s each), not 550, and 140 of a race lost at once, not 6,000. `obx.contended_wait`
+/// (migration 0030) is the same rule for the inbox and timers.
 pub fn contended_wait(
     contended: std::time::Duration,
     least: std::time::Duration,

@@ -46,9 +46,9 @@ pub struct Processor {
     pub wake: watch::Receiver<u64>,
     pub shutdown: watch::Receiver<bool>,
     /// Consumers whose batch commit was refused for something a handler did, or lost a race
-    /// at its `COMMIT` (see [`handling::refused_commit`]), with how many more events each takes one at a time
-    /// (`consumer.batch_max_events`, as many as the refused batch could hold), so that the
-    /// refusal names its event, which is retried and parked in the end.
+    /// at its `COMMIT` (see [`handling::refused_commit`]), with how many more events each
+    /// takes one at a time (`consumer.batch_max_events`, as many as the refused batch could
+    /// hold), so that the refusal names its event, which is retried and parked in the end.
     pub one_at_a_time: std::sync::Mutex<std::collections::HashMap<String, u32>>,
     /// Consumers whose steps failed (their session cannot be opened, a statement failed):
     /// how many times in a row, and when to try again. Each waits out its own backoff,
