@@ -563,6 +563,57 @@ async fn hostile_migrations_are_refused_or_run_harmlessly() {
     host.shutdown().await;
 }
 
+/// A plugin's migrations may not leave more relations in its schema than
+/// `limits.max_relations`: a statement on a table with thousands of inheritance children locks
+/// each of them, and enough such locks fill the lock table every session of the server shares.
+#[tokio::test]
+async fn migrations_that_would_leave_too_many_relations_are_refused() {
+    let host = spawn_host(&["testbed"]).await;
+    let prepare = |m: Manifest, max_relations: u32| {
+        let mut limits = host.host.runtime.limits().clone();
+        limits.max_relations = max_relations;
+        let (pool, sessions) = (host.db.clone(), host.host.sessions.clone());
+        async move {
+            let mut m = m;
+            m.validate(limits.max_statement_bytes).unwrap();
+            obx::runtime::plugin_schema::prepare(&pool, &sessions, &m, &limits).await
+        }
+    };
+    let children = |n: usize| {
+        (0..n)
+            .map(|i| format!("CREATE TABLE c{i} () INHERITS (p)"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let relations = "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE n.nspname = 'crowded'";
+
+    let crowded = children(20);
+    let e = prepare(manifest("crowded", &["CREATE TABLE p (x int)", &crowded]), 20)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("21 relations") && e.contains("limits.max_relations (20)"),
+        "{e}"
+    );
+    // None of the migrations stayed, the first one neither.
+    assert_eq!(host.count(relations).await, 0);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.plugin_migration WHERE plugin = 'crowded'")
+            .await,
+        0
+    );
+
+    // Within the bound they apply; a schema over a bound lowered later still loads.
+    let fitting = children(19);
+    let fits = || manifest("crowded", &["CREATE TABLE p (x int)", &fitting]);
+    prepare(fits(), 20).await.unwrap();
+    assert_eq!(host.count(relations).await, 20);
+    prepare(fits(), 10).await.unwrap();
+    host.shutdown().await;
+}
+
 /// A plugin may not take a name that puts its schema in someone's search path: the host's
 /// user, any other role, an existing schema, or one the host keeps.
 #[tokio::test]

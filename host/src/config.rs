@@ -653,6 +653,10 @@ pub struct Limits {
     pub lock_timeout: Duration,
     /// Calls that run at once across all plugins; the rest wait for a slot.
     pub max_concurrent_calls: u32,
+    /// Relations (tables, partitions, indexes, sequences, views) a plugin's migrations may
+    /// leave in its schema. A statement on a table takes a lock on each of its indexes and
+    /// inheritance children, in a lock table the whole server shares (docs/operations.md).
+    pub max_relations: u32,
 }
 
 impl Default for Limits {
@@ -675,6 +679,7 @@ impl Default for Limits {
             statement_timeout: Duration::from_secs(2),
             lock_timeout: Duration::from_secs(1),
             max_concurrent_calls: 256,
+            max_relations: 500,
         }
     }
 }
@@ -1041,6 +1046,9 @@ impl Config {
         }
         if !(1024..=16 * 1024 * 1024).contains(&l.max_statement_bytes) {
             return invalid("limits.max_statement_bytes", "must be between 1 KiB and 16 MiB");
+        }
+        if l.max_relations == 0 {
+            return invalid("limits.max_relations", "must be at least 1");
         }
         if l.work_mem_bytes < 64 * 1024 {
             return invalid("limits.work_mem_bytes", "must be at least 64 KiB (Postgres's minimum)");

@@ -24,7 +24,7 @@ use sqlx::{Executor, PgConnection, PgPool};
 use super::Manifest;
 use crate::config::Limits;
 use crate::db::login::{self, Login};
-use crate::db::sessions::{SessionError, Sessions};
+use crate::db::sessions::{PluginTx, SessionError, Sessions};
 
 /// Why a plugin's schema could not be prepared. The message is meant for the operator.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +49,7 @@ pub async fn prepare(
         let login = provision(pool, manifest, limits, sessions.role_connection_limit()).await?;
         sessions.register(&manifest.name, login);
         // Dropped past the deadline, the session is closed, and its backend stops.
-        tokio::time::timeout(MIGRATION_DEADLINE, migrate(sessions, manifest))
+        tokio::time::timeout(MIGRATION_DEADLINE, migrate(sessions, manifest, limits.max_relations))
             .await
             .map_err(|_| anyhow!("the migrations ran past {MIGRATION_DEADLINE:?}"))?
     }
@@ -366,8 +366,9 @@ async fn current_database(conn: &mut PgConnection) -> Result<String> {
         .await?)
 }
 
-/// Applies the plugin's pending migrations on its own session, and records them there.
-async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
+/// Applies the plugin's pending migrations on its own session, and records them there. If
+/// they leave more than `max_relations` relations in the plugin's schema, none of them is.
+async fn migrate(sessions: &Sessions, manifest: &Manifest, max_relations: u32) -> Result<()> {
     let name = &manifest.name;
     let mut tx = sessions.begin(name).await?;
     // A migration may rewrite a large table: the role's statement timeout is for handlers.
@@ -382,6 +383,7 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
         .await?;
     (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
     let last_applied = check_applied(manifest, &applied)?;
+    let mut ran = false;
     for m in &manifest.migrations {
         let id = m.id as i32;
         if applied.iter().any(|(a, _)| *a == id) {
@@ -413,8 +415,40 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest) -> Result<()> {
             .execute(&mut *tx)
             .await?;
         tracing::info!(plugin = %name, migration = id, name = %m.name, "applied plugin migration");
+        ran = true;
     }
+    check_relations(&mut tx, name, max_relations, ran).await?;
     tx.commit().await?;
+    Ok(())
+}
+
+/// Refuses migrations (`ran`) that leave more than `max` relations in `schema`: a statement on
+/// a table with thousands of inheritance children or indexes locks each of them, and enough
+/// such locks fill the lock table the whole server shares, where every transaction then fails
+/// ("out of shared memory"). A schema over the bound from before it existed only gets a
+/// warning, so that a host upgrade does not stop a plugin that served.
+async fn check_relations(tx: &mut PluginTx, schema: &str, max: u32, ran: bool) -> Result<()> {
+    // Every name qualified: the session is the plugin's, and its schema is in its search path.
+    let count: i64 = sqlx::query_scalar(
+        "SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
+         WHERE n.nspname OPERATOR(pg_catalog.=) $1 AND c.relkind OPERATOR(pg_catalog.<>) 'c'",
+    )
+    .bind(schema)
+    .fetch_one(&mut **tx)
+    .await?;
+    if count <= i64::from(max) {
+        return Ok(());
+    }
+    let what = format!(
+        "the plugin's schema holds {count} relations (tables, partitions, indexes, sequences, \
+         views), more than limits.max_relations ({max}); an operator who raises it sizes \
+         Postgres's max_locks_per_transaction to match (docs/operations.md)"
+    );
+    if ran {
+        bail!("its migrations were not applied: {what}");
+    }
+    tracing::warn!(plugin = %schema, relations = count, max, "{what}; no new migration may add to them");
     Ok(())
 }
 
