@@ -763,6 +763,91 @@ async fn emits_are_limited_to_declared_events_that_can_be_delivered() {
     host.shutdown().await;
 }
 
+/// Event ids are one namespace (the outbox's unique index, every consumer's record of what it
+/// processed), but the database makes every id a plugin's session passes the plugin's own:
+/// given another plugin's event id, a plugin emits an event of another id, and that plugin's
+/// event stays as it was, whether the id goes through `emit` or the session calls
+/// `obx_api.emit` itself. The same id given twice is still one event.
+#[tokio::test]
+async fn a_plugin_cannot_emit_another_plugins_event_ids() {
+    let host = spawn_host(&["testbed", "orders"]).await;
+    for customer in ["c-1", "c-2"] {
+        let order = host
+            .command("orders", "CreateOrder", json!({ "customerId": customer, "amount": 5 }))
+            .await;
+        assert_eq!(order.status, 200, "{}", order.text);
+    }
+    let orders: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM obx.outbox_event WHERE plugin_name = 'orders' ORDER BY id")
+            .fetch_all(&host.db)
+            .await
+            .unwrap();
+    let (theirs, also_theirs) = (orders[0], orders[1]);
+
+    let emit = |id: &'static str, given: String| {
+        host.command(
+            "testbed",
+            "emit",
+            json!({ "id": id, "topic": "testbed.events", "event_id": given }),
+        )
+    };
+    let a = emit("taken", theirs.to_string()).await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    let ours = a.body["ids"][0].as_str().unwrap().to_string();
+    assert_ne!(ours, theirs.to_string());
+    let owners: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_id::text, plugin_name FROM obx.outbox_event ORDER BY id")
+            .fetch_all(&host.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        owners,
+        [
+            (theirs.to_string(), "orders".into()),
+            (also_theirs.to_string(), "orders".into()),
+            (ours.clone(), "testbed".into())
+        ]
+    );
+
+    // Given again, the same id is the same event: the second emit is refused at the commit.
+    let again = emit("again", theirs.to_string()).await;
+    assert_eq!(
+        (again.status, again.code()),
+        (500, "transaction_aborted"),
+        "{}",
+        again.text
+    );
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 3);
+
+    // The wall is the database's: a session that calls obx_api.emit itself, with another of
+    // the other plugin's ids, writes an id of its own, computed as the host computes it.
+    let mut s = host.plugin_session("testbed").await;
+    let mut tx = s.begin().await.unwrap();
+    sqlx::query(
+        "SELECT obx_api.emit('1', NULL, ARRAY[$1]::uuid[], ARRAY['Item'], ARRAY['i'], ARRAY['ItemEmitted'], \
+         ARRAY['{}'], ARRAY['testbed.events'], ARRAY['k'])",
+    )
+    .bind(also_theirs)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    s.close().await.unwrap();
+    let written: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM obx.outbox_event WHERE plugin_name = 'testbed' ORDER BY id")
+            .fetch_all(&host.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        written,
+        [
+            ours.parse().unwrap(),
+            obx::outbox::stored_event_id("testbed", also_theirs)
+        ]
+    );
+    host.shutdown().await;
+}
+
 /// Called straight from a plugin session, `obx_api.emit_calls` (what the host calls),
 /// `obx_api.emit_each` and `obx_api.emit` (kept for hosts of previous versions, written on
 /// it) refuse each bad

@@ -343,13 +343,15 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
 
     let twin = uuid::Uuid::new_v4();
     let mut b = open_twin(&host, &mut a, b, twin).await;
+    // The id the database wrote: a plugin's ids are made its own.
+    let stored = obx::outbox::stored_event_id("testbed", twin);
 
     let seq = sequenced(&host, "other", None).await;
     eventually(Duration::from_secs(10), "another event published meanwhile", || async {
         published(&host, "other", seq).await
     })
     .await;
-    let held = format!("SELECT count(*) FROM obx.outbox_delayed WHERE event_id = '{twin}'");
+    let held = format!("SELECT count(*) FROM obx.outbox_delayed WHERE event_id = '{stored}'");
     assert_eq!(
         host.count(&held).await,
         1,
@@ -357,7 +359,8 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
     );
 
     sqlx::query("ROLLBACK").execute(&mut b).await.unwrap();
-    let sent = format!("SELECT count(*) FROM obx.outbox_event WHERE event_id = '{twin}' AND published_at IS NOT NULL");
+    let sent =
+        format!("SELECT count(*) FROM obx.outbox_event WHERE event_id = '{stored}' AND published_at IS NOT NULL");
     eventually(
         Duration::from_secs(10),
         "the delayed event released and published",
@@ -386,6 +389,8 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let b = host.plugin_session("testbed").await;
     let twin = uuid::Uuid::new_v4();
     let mut b = open_twin(&host, &mut a, b, twin).await;
+    // The id the database wrote: a plugin's ids are made its own.
+    let stored = obx::outbox::stored_event_id("testbed", twin);
 
     // Delayed events due after the held one (a delay of 0 publishes at once): 41 of its key,
     // then one of another.
@@ -412,7 +417,7 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
         published(&host, "a", behind).await
             && host
                 .count(&format!(
-                    "SELECT count(*) FROM obx.outbox_event WHERE event_id = '{twin}' AND published_at IS NOT NULL"
+                    "SELECT count(*) FROM obx.outbox_event WHERE event_id = '{stored}' AND published_at IS NOT NULL"
                 ))
                 .await
                 == 1
@@ -421,7 +426,7 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let in_order = host
         .count(&format!(
             "SELECT count(*) FROM obx.outbox_event t, obx.outbox_event s \
-             WHERE t.event_id = '{twin}' AND s.partition_key = 'a' \
+             WHERE t.event_id = '{stored}' AND s.partition_key = 'a' \
                AND (s.payload->>'seq')::bigint = {behind} AND t.id < s.id"
         ))
         .await;

@@ -623,6 +623,7 @@ mod tests {
         (28, "48eed987c88a256b0cb44599e09016fc"),
         (29, "0cc80e65d88c55b33aff795d5af07758"),
         (30, "458b15a10ef48afe773a0ff85531a16b"),
+        (31, "f62fd4fa16f99f8b0c29f445607c20f0"),
     ];
 
     #[test]

@@ -12,6 +12,7 @@ pub mod relay;
 pub mod replay;
 pub mod writer;
 
+use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::text::shown;
@@ -103,8 +104,31 @@ pub enum EventError {
 /// Longest aggregate type, aggregate id, event type and partition key accepted.
 const MAX_FIELD_BYTES: usize = 1024;
 
+/// The id an event is stored and published with when `plugin`'s session passes `id` (the one
+/// a plugin gave, or a UUIDv7 the host assigned): the first 16 bytes of SHA-256 over a fixed
+/// prefix, the plugin's name, a zero byte and `id`, marked as a UUID of version 8. The
+/// database makes every id a plugin's session writes into its plugin's own with the same
+/// function (`obx.event_id_in`, migration 0031), whichever function the session calls; the
+/// host computes it to tell the plugin what `emit` wrote. The same plugin passing the same
+/// id gets the same event id, so a retried emit is still one event; no plugin can write an
+/// id that is, or will be, another plugin's, and so make that plugin's emits fail on the
+/// outbox's unique index, or a consumer of both skip its event as already processed.
+pub fn stored_event_id(plugin: &str, id: Uuid) -> Uuid {
+    let digest = Sha256::new()
+        .chain_update(b"obx event id ")
+        .chain_update(plugin.as_bytes())
+        .chain_update([0u8])
+        .chain_update(id.as_bytes())
+        .finalize();
+    let mut bytes: uuid::Bytes = digest[..16].try_into().expect("SHA-256 has 32 bytes");
+    bytes[6] = (bytes[6] & 0x0f) | 0x80;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    Uuid::from_bytes(bytes)
+}
+
 impl RawEvent {
-    /// Checks every field; assigns a UUIDv7 event id when none was given.
+    /// Checks every field; assigns a UUIDv7 event id when none was given. The event is stored
+    /// with [`stored_event_id`] of that id.
     pub fn validate(self, max_payload_bytes: usize) -> Result<NewEvent, EventError> {
         let event_id = match self.event_id {
             None => Uuid::now_v7(),
@@ -196,6 +220,22 @@ mod tests {
         let e = raw().validate(1024).unwrap();
         assert_eq!(e.partition_key, "o-1");
         assert_eq!(e.event_id.get_version_num(), 7);
+    }
+
+    /// An id is the plugin's own: the same plugin passing the same id gets the same event id
+    /// (a version 8 UUID); another plugin passing it, or passing the event id, gets another.
+    #[test]
+    fn a_passed_id_becomes_an_id_of_the_plugins_own() {
+        let given = Uuid::parse_str("0191d3a4-5b6c-7d8e-9f00-112233445566").unwrap();
+        let ours = stored_event_id("orders", given);
+        assert_eq!(ours.get_version_num(), 8);
+        assert_eq!(ours.get_variant(), uuid::Variant::RFC4122);
+        assert_eq!(stored_event_id("orders", given), ours);
+        assert_ne!(stored_event_id("hostile", given), ours);
+        assert_ne!(stored_event_id("hostile", ours), ours);
+        assert_ne!(stored_event_id("orders", ours), ours);
+        // Postgres's obx.event_id_in gives the same (tests/confinement.rs checks it there).
+        assert_eq!(ours.to_string(), "7f6d71ad-526c-8b6d-8127-0982e4e76153");
     }
 
     #[test]

@@ -547,6 +547,8 @@ fn declared_events() -> Vec<obx_sdk::EventDeclaration> {
         .collect()
 }
 
+/// Emits `count` events (or one per `keys`), each with the event id `event_id` if given, and
+/// answers how many went out, the ids `emit` gave back, and the first refusal.
 fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
     let strings = |v: &Value| -> Option<Vec<String>> {
         v.as_array()
@@ -561,6 +563,7 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
         .or(p["count"].as_u64())
         .unwrap_or(1);
     let mut emitted = 0u64;
+    let mut ids = Vec::new();
     let mut error = Value::Null;
     for i in 0..count {
         let key = keys
@@ -573,7 +576,7 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             (None, None) => json!({ "id": id, "i": i, "key": key, "seq": p["seq"] }),
         };
         let event = OutboxEvent {
-            event_id: None,
+            event_id: p["event_id"].as_str().map(String::from),
             aggregate_type: "Item".into(),
             aggregate_id: key.clone().unwrap_or_else(|| format!("{id}-{i}")),
             event_type: p["event_type"].as_str().unwrap_or("ItemEmitted").into(),
@@ -586,7 +589,10 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             partition_key: key,
         };
         match emit(&event) {
-            Ok(_) => emitted += 1,
+            Ok(event_id) => {
+                emitted += 1;
+                ids.push(event_id);
+            }
             Err(e) => {
                 error = json!(format!("{e:?}"));
                 // A hostile guest keeps trying; a polite one stops at the first refusal.
@@ -596,7 +602,7 @@ fn emit_many(id: &str, p: &Value) -> Result<String, HandlerError> {
             }
         }
     }
-    Ok(json!({ "emitted": emitted, "error": error }).to_string())
+    Ok(json!({ "emitted": emitted, "ids": ids, "error": error }).to_string())
 }
 
 /// Schedules the timer `name`/`key` with `payload` after `delay_ms`; fails afterwards when

@@ -87,7 +87,8 @@ impl CallState {
                 limits.max_emit_bytes_per_call
             )));
         }
-        let id = event.event_id.to_string();
+        // What the database will write (the session passes `event_id`, and it is made ours).
+        let id = crate::outbox::stored_event_id(&self.plugin.name, event.event_id).to_string();
         event.delay_ms = delay_ms;
         self.event_bytes += event.payload.len();
         self.events.push(event);
