@@ -2,40 +2,46 @@
 -- as given. Every event id is unique in the outbox, and a consumer records the ids of the
 -- events it processed, whoever produced them. So a plugin could give another plugin's event
 -- ids (it reads them on the topics it consumes, or derives the ones that plugin derives):
--- first, and the other plugin's emits of them failed; later (past the outbox's retention, or
--- from another service's database), and a consumer of both skipped the real event as one it
--- had already processed.
+-- first, and the other plugin's emits of them failed; later (past the outbox's retention),
+-- and a consumer of both skipped the real event as one it had already processed. Two
+-- services with a plugin of the same name that derive ids from the same keys collided in a
+-- consumer of both in the same way.
 --
 -- Now every id a plugin's session passes becomes the plugin's own, here, whichever function
--- the session calls: obx.event_id_in(plugin, id). The same plugin passing the same id gets
--- the same event id, so a retried emit is still one event; but no plugin can write an id
--- that is, or will be, another plugin's. The host computes the same function, to tell the
--- plugin what `emit` wrote (host/src/outbox/mod.rs, stored_event_id). A host of the previous
--- version still tells its plugins the ids as it passed them, during a rolling deploy.
+-- the session calls: obx.event_id_in(role, id), the role being obx_<installation>_<plugin>.
+-- The same plugin passing the same id gets the same event id, so a retried emit is still one
+-- event; but no plugin can write an id that is, or will be, another plugin's, in this
+-- installation or another. The host computes the same function, to tell the plugin what
+-- `emit` wrote (host/src/outbox/mod.rs, stored_event_id). A host of the previous version
+-- still tells its plugins the ids as it passed them, during a rolling deploy.
 --
 -- emit_calls and emit_delayed are restated whole (CREATE OR REPLACE keeps their grants); each
 -- gains the mapping of its ids and nothing else.
 
--- The first 16 bytes of SHA-256 over a fixed prefix, the plugin's name, a zero byte and the
--- id's 16 bytes, marked as a UUID of version 8 (RFC 9562's custom layout). The zero byte
--- ends the name, which holds none: two (plugin, id) pairs never hash the same input. A plugin
--- name is [a-z][a-z0-9_]* (checked at its load), so its text is its bytes in any encoding,
--- and the cast to bytea reads no escape in it.
+-- An id's first 6 bytes (a UUIDv7's millisecond timestamp, for the ids the host assigns), then
+-- bytes 7 to 16 of SHA-256 over a fixed prefix, the role's name, a zero byte and the id's 16
+-- bytes, marked as a UUID of version 8 (RFC 9562's custom layout). The ids of a plugin's
+-- events thus still grow with time, as the outbox's and the consumers' indexes want, and the
+-- 74 hashed bits are what no other role can produce. The zero byte ends the name, which holds
+-- none: two (role, id) pairs never hash the same input. A role's name is
+-- obx_<hex>_[a-z][a-z0-9_]*, so its text is its bytes in any encoding, and the cast to bytea
+-- reads no escape in it.
 --
 -- One SQL expression, which Postgres may inline where it is called (a PL/pgSQL function
 -- would prepare its expressions again in every transaction, as every command is). Only its
 -- owner may call it, from the functions below, whose search path is pinned (its operators
 -- are not qualified). No literal holds a backslash: a body is read under the calling
 -- session's standard_conforming_strings.
-CREATE FUNCTION obx.event_id_in(p_plugin text, p_given uuid) RETURNS uuid
+CREATE FUNCTION obx.event_id_in(p_role text, p_given uuid) RETURNS uuid
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT pg_catalog.encode(pg_catalog.set_byte(pg_catalog.set_byte(
-               pg_catalog.substr(pg_catalog.sha256(('obx event id ' || p_plugin)::bytea || pg_catalog.decode('00', 'hex')
-                                    || pg_catalog.uuid_send(p_given)), 1, 16),
-               6, (pg_catalog.get_byte(pg_catalog.sha256(('obx event id ' || p_plugin)::bytea || pg_catalog.decode('00', 'hex')
-                                    || pg_catalog.uuid_send(p_given)), 6) & 15) | 128),
-               8, (pg_catalog.get_byte(pg_catalog.sha256(('obx event id ' || p_plugin)::bytea || pg_catalog.decode('00', 'hex')
-                                    || pg_catalog.uuid_send(p_given)), 8) & 63) | 128), 'hex')::uuid
+               pg_catalog.substr(pg_catalog.uuid_send(p_given), 1, 6)
+                 || pg_catalog.substr(pg_catalog.sha256(('obx event id ' || p_role)::bytea || pg_catalog.decode('00', 'hex')
+                                 || pg_catalog.uuid_send(p_given)), 7, 10),
+               6, (pg_catalog.get_byte(pg_catalog.sha256(('obx event id ' || p_role)::bytea || pg_catalog.decode('00', 'hex')
+                                 || pg_catalog.uuid_send(p_given)), 6) & 15) | 128),
+               8, (pg_catalog.get_byte(pg_catalog.sha256(('obx event id ' || p_role)::bytea || pg_catalog.decode('00', 'hex')
+                                 || pg_catalog.uuid_send(p_given)), 8) & 63) | 128), 'hex')::uuid
 $$;
 REVOKE EXECUTE ON FUNCTION obx.event_id_in(text, uuid) FROM PUBLIC;
 
@@ -64,10 +70,6 @@ BEGIN
         RAISE EXCEPTION 'session user % is not a plugin of this OBX installation', session_user
             USING ERRCODE = 'insufficient_privilege';
     END IF;
-    -- Every event id becomes the plugin's own, in place; the rest of the body is 0015's.
-    FOR v_i IN array_lower(p_event_ids, 1)..array_upper(p_event_ids, 1) LOOP
-        p_event_ids[v_i] := obx.event_id_in(v_plugin.name, p_event_ids[v_i]);
-    END LOOP;
     IF coalesce(cardinality(p_aggregate_types), -1) <> v_count
        OR coalesce(cardinality(p_aggregate_ids), -1) <> v_count
        OR coalesce(cardinality(p_event_types), -1) <> v_count
@@ -107,6 +109,11 @@ BEGIN
                 v_plugin.max_emit_bytes_per_call USING ERRCODE = 'program_limit_exceeded';
         END IF;
     END IF;
+    -- Every event id becomes the plugin's own, in place (after the checks of the arrays' sizes);
+    -- the rest of the body is 0015's.
+    FOR v_i IN array_lower(p_event_ids, 1)..array_upper(p_event_ids, 1) LOOP
+        p_event_ids[v_i] := obx.event_id_in(v_plugin.role_name, p_event_ids[v_i]);
+    END LOOP;
     INSERT INTO obx.outbox_event
         (event_id, aggregate_type, aggregate_id, event_type, payload, topic, partition_key,
          plugin_name, plugin_version, created_at, traceparent)
@@ -191,8 +198,8 @@ BEGIN
     END IF;
     PERFORM obx_api.emit(p_version, p_traceparent, p_event_ids, p_aggregate_types, p_aggregate_ids,
                          p_event_types, p_payloads, p_topics, p_partition_keys);
-    -- The ids the events were written with (obx_api.emit made them the plugin's own).
-    v_ids := ARRAY(SELECT obx.event_id_in(p.name, i.id)
+    -- The ids the events were written with (emit_calls made them the plugin's own).
+    v_ids := ARRAY(SELECT obx.event_id_in(p.role_name, i.id)
                      FROM unnest(p_event_ids) WITH ORDINALITY AS i(id, n)
                      JOIN obx.plugin p ON p.role_name = session_user
                     ORDER BY i.n);
@@ -213,4 +220,24 @@ BEGIN
         RAISE EXCEPTION 'emit: an event id appears twice in one call' USING ERRCODE = 'unique_violation';
     END IF;
     RETURN v_count;
+END $$;
+
+-- The delayed events waiting now were written with the ids as given: no consumer has seen
+-- them, and an emit of one of their ids would now be written as the plugin's own id and not
+-- be refused as theirs. They take the ids they would have now.
+UPDATE obx.outbox_delayed d SET event_id = obx.event_id_in(p.role_name, d.event_id)
+  FROM obx.plugin p WHERE p.name = d.plugin_name;
+
+-- emit_calls and emit_delayed keep their owner, which runs obx.event_id_in for them: should
+-- another role apply this migration than the one that made them, that owner may still call it.
+DO $$
+BEGIN
+    EXECUTE format('GRANT EXECUTE ON FUNCTION obx.event_id_in(text, uuid) TO %s',
+                   (SELECT p.proowner::regrole::text FROM pg_catalog.pg_proc p
+                     WHERE p.oid = 'obx_api.emit_calls(text, integer[], text[], uuid[], text[], '
+                                   'text[], text[], text[], text[], text[])'::regprocedure));
+    EXECUTE format('GRANT EXECUTE ON FUNCTION obx.event_id_in(text, uuid) TO %s',
+                   (SELECT p.proowner::regrole::text FROM pg_catalog.pg_proc p
+                     WHERE p.oid = 'obx_api.emit_delayed(text, text, uuid[], text[], text[], '
+                                   'text[], text[], text[], text[], bigint[])'::regprocedure));
 END $$;

@@ -605,12 +605,37 @@ async fn migrations_that_would_leave_too_many_relations_are_refused() {
         0
     );
 
-    // Within the bound they apply; a schema over a bound lowered later still loads.
+    // A table's TOAST table and its index count too: they are locked with it.
+    let e = prepare(manifest("crowded", &["CREATE TABLE t (x text)"]), 2)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3 relations"), "{e}");
+
+    // Within the bound they apply; a schema over a bound lowered later still loads, and a
+    // migration that leaves it smaller applies.
     let fitting = children(19);
-    let fits = || manifest("crowded", &["CREATE TABLE p (x int)", &fitting]);
-    prepare(fits(), 20).await.unwrap();
+    let fits = |more: &'static [&'static str]| {
+        let mut migrations = vec!["CREATE TABLE p (x int)", fitting.as_str()];
+        migrations.extend(more);
+        manifest("crowded", &migrations)
+    };
+    prepare(fits(&[]), 20).await.unwrap();
     assert_eq!(host.count(relations).await, 20);
-    prepare(fits(), 10).await.unwrap();
+    prepare(fits(&[]), 10).await.unwrap();
+    prepare(fits(&["DROP TABLE c0"]), 10).await.unwrap();
+    assert_eq!(host.count(relations).await, 19);
+    let e = prepare(
+        fits(&[
+            "DROP TABLE c0",
+            "CREATE TABLE c0 () INHERITS (p); CREATE TABLE c20 () INHERITS (p)",
+        ]),
+        10,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("20 relations"), "{e}");
     host.shutdown().await;
 }
 
@@ -842,7 +867,7 @@ async fn a_plugin_cannot_emit_another_plugins_event_ids() {
         written,
         [
             ours.parse().unwrap(),
-            obx::outbox::stored_event_id("testbed", also_theirs)
+            obx::outbox::stored_event_id(&host.plugin_role("testbed").await, also_theirs)
         ]
     );
     host.shutdown().await;

@@ -344,7 +344,7 @@ async fn an_id_waiting_delayed_is_its_own_and_an_open_twin_does_not_stop_the_rel
     let twin = uuid::Uuid::new_v4();
     let mut b = open_twin(&host, &mut a, b, twin).await;
     // The id the database wrote: a plugin's ids are made its own.
-    let stored = obx::outbox::stored_event_id("testbed", twin);
+    let stored = obx::outbox::stored_event_id(&host.plugin_role("testbed").await, twin);
 
     let seq = sequenced(&host, "other", None).await;
     eventually(Duration::from_secs(10), "another event published meanwhile", || async {
@@ -390,7 +390,7 @@ async fn a_delayed_event_held_by_an_open_twin_holds_up_its_key_only() {
     let twin = uuid::Uuid::new_v4();
     let mut b = open_twin(&host, &mut a, b, twin).await;
     // The id the database wrote: a plugin's ids are made its own.
-    let stored = obx::outbox::stored_event_id("testbed", twin);
+    let stored = obx::outbox::stored_event_id(&host.plugin_role("testbed").await, twin);
 
     // Delayed events due after the held one (a delay of 0 publishes at once): 41 of its key,
     // then one of another.

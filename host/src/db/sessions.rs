@@ -457,6 +457,11 @@ pub struct PluginTx {
 }
 
 impl PluginTx {
+    /// The plugin's role, which the session logged in as.
+    pub fn role(&self) -> &str {
+        &self.role
+    }
+
     /// Commits and clears the session. An error Postgres sends after the `COMMIT` completed
     /// leaves it standing: `Ok`, and the session is closed. On an error before that, the
     /// session is closed, and nothing was committed if the error was the statement's own;

@@ -104,23 +104,26 @@ pub enum EventError {
 /// Longest aggregate type, aggregate id, event type and partition key accepted.
 const MAX_FIELD_BYTES: usize = 1024;
 
-/// The id an event is stored and published with when `plugin`'s session passes `id` (the one
-/// a plugin gave, or a UUIDv7 the host assigned): the first 16 bytes of SHA-256 over a fixed
-/// prefix, the plugin's name, a zero byte and `id`, marked as a UUID of version 8. The
-/// database makes every id a plugin's session writes into its plugin's own with the same
+/// The id an event is stored and published with when the session of `role` (a plugin's,
+/// `obx_<installation>_<plugin>`) passes `id`, the one its plugin gave or a UUIDv7 the host
+/// assigned: the first 6 bytes of `id` (a UUIDv7's timestamp), then bytes 7 to 16 of SHA-256
+/// over a fixed prefix, the role's name, a zero byte and `id`, marked as a UUID of version 8.
+/// The database makes every id a plugin's session writes into its plugin's own with the same
 /// function (`obx.event_id_in`, migration 0031), whichever function the session calls; the
-/// host computes it to tell the plugin what `emit` wrote. The same plugin passing the same
-/// id gets the same event id, so a retried emit is still one event; no plugin can write an
+/// host computes it to tell the plugin what `emit` wrote. The same plugin passing the same id
+/// gets the same event id, so a retried emit is still one event, and the ids of a plugin's
+/// events still grow with time; but no plugin, of this installation or another, can write an
 /// id that is, or will be, another plugin's, and so make that plugin's emits fail on the
 /// outbox's unique index, or a consumer of both skip its event as already processed.
-pub fn stored_event_id(plugin: &str, id: Uuid) -> Uuid {
+pub fn stored_event_id(role: &str, id: Uuid) -> Uuid {
     let digest = Sha256::new()
         .chain_update(b"obx event id ")
-        .chain_update(plugin.as_bytes())
+        .chain_update(role.as_bytes())
         .chain_update([0u8])
         .chain_update(id.as_bytes())
         .finalize();
-    let mut bytes: uuid::Bytes = digest[..16].try_into().expect("SHA-256 has 32 bytes");
+    let mut bytes = *id.as_bytes();
+    bytes[6..].copy_from_slice(&digest[6..16]);
     bytes[6] = (bytes[6] & 0x0f) | 0x80;
     bytes[8] = (bytes[8] & 0x3f) | 0x80;
     Uuid::from_bytes(bytes)
@@ -222,20 +225,24 @@ mod tests {
         assert_eq!(e.event_id.get_version_num(), 7);
     }
 
-    /// An id is the plugin's own: the same plugin passing the same id gets the same event id
-    /// (a version 8 UUID); another plugin passing it, or passing the event id, gets another.
+    /// An id is the plugin's own: the same role passing the same id gets the same event id (a
+    /// version 8 UUID that keeps the id's timestamp); another role passing it, or passing the
+    /// event id, gets another.
     #[test]
     fn a_passed_id_becomes_an_id_of_the_plugins_own() {
         let given = Uuid::parse_str("0191d3a4-5b6c-7d8e-9f00-112233445566").unwrap();
-        let ours = stored_event_id("orders", given);
+        let (role, other) = ("obx_0a1b2c3d_orders", "obx_0a1b2c3d_hostile");
+        let ours = stored_event_id(role, given);
         assert_eq!(ours.get_version_num(), 8);
         assert_eq!(ours.get_variant(), uuid::Variant::RFC4122);
-        assert_eq!(stored_event_id("orders", given), ours);
-        assert_ne!(stored_event_id("hostile", given), ours);
-        assert_ne!(stored_event_id("hostile", ours), ours);
-        assert_ne!(stored_event_id("orders", ours), ours);
+        assert_eq!(ours.as_bytes()[..6], given.as_bytes()[..6], "the timestamp stays");
+        assert_eq!(stored_event_id(role, given), ours);
+        assert_ne!(stored_event_id(other, given), ours);
+        assert_ne!(stored_event_id("obx_99999999_orders", given), ours);
+        assert_ne!(stored_event_id(other, ours), ours);
+        assert_ne!(stored_event_id(role, ours), ours);
         // Postgres's obx.event_id_in gives the same (tests/confinement.rs checks it there).
-        assert_eq!(ours.to_string(), "7f6d71ad-526c-8b6d-8127-0982e4e76153");
+        assert_eq!(ours.to_string(), "0191d3a4-5b6c-89d1-9572-480e45d865da");
     }
 
     #[test]

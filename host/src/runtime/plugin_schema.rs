@@ -367,7 +367,8 @@ async fn current_database(conn: &mut PgConnection) -> Result<String> {
 }
 
 /// Applies the plugin's pending migrations on its own session, and records them there. If
-/// they leave more than `max_relations` relations in the plugin's schema, none of them is.
+/// they would leave its role owning more than `max_relations` relations ([`RelationBound`]),
+/// none of them is.
 async fn migrate(sessions: &Sessions, manifest: &Manifest, max_relations: u32) -> Result<()> {
     let name = &manifest.name;
     let mut tx = sessions.begin(name).await?;
@@ -383,7 +384,7 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest, max_relations: u32) -
         .await?;
     (&mut *tx).execute("SET LOCAL lock_timeout = '30s'").await?;
     let last_applied = check_applied(manifest, &applied)?;
-    let mut ran = false;
+    let bound = RelationBound::read(&mut tx, name, max_relations).await?;
     for m in &manifest.migrations {
         let id = m.id as i32;
         if applied.iter().any(|(a, _)| *a == id) {
@@ -406,6 +407,7 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest, max_relations: u32) -
                     message: db_message(&e),
                     may_pass: crate::db::may_pass(&e),
                 })?;
+            bound.check(&mut tx).await?;
         }
         sqlx::query("SELECT obx_api.record_migration($1, $2, $3, $4)")
             .bind(id)
@@ -415,41 +417,72 @@ async fn migrate(sessions: &Sessions, manifest: &Manifest, max_relations: u32) -
             .execute(&mut *tx)
             .await?;
         tracing::info!(plugin = %name, migration = id, name = %m.name, "applied plugin migration");
-        ran = true;
     }
-    check_relations(&mut tx, name, max_relations, ran).await?;
     tx.commit().await?;
     Ok(())
 }
 
-/// Refuses migrations (`ran`) that leave more than `max` relations in `schema`: a statement on
-/// a table with thousands of inheritance children or indexes locks each of them, and enough
-/// such locks fill the lock table the whole server shares, where every transaction then fails
-/// ("out of shared memory"). A schema over the bound from before it existed only gets a
-/// warning, so that a host upgrade does not stop a plugin that served.
-async fn check_relations(tx: &mut PluginTx, schema: &str, max: u32, ran: bool) -> Result<()> {
-    // Every name qualified: the session is the plugin's, and its schema is in its search path.
-    let count: i64 = sqlx::query_scalar(
+/// The relations a plugin's migrations may leave: `limits.max_relations`, or as many as it had
+/// before them if that was more. A statement on a table locks each of its indexes,
+/// inheritance children and TOAST relations, in the lock table the whole server shares; a
+/// table with thousands of them could fill it from a few sessions, and every transaction on
+/// the server would then fail ("out of shared memory"). Checked after each statement, since
+/// each relation a migration creates holds its lock to the migration's end: a migration of
+/// thousands of `CREATE TABLE … INHERITS` would fill the table before it was refused.
+struct RelationBound {
+    max: i64,
+    before: i64,
+}
+
+impl RelationBound {
+    /// Reads what the plugin's role owns now; a schema over the bound from before it existed
+    /// only gets a warning, so that a host upgrade does not stop a plugin that served.
+    async fn read(tx: &mut PluginTx, plugin: &str, max: u32) -> Result<RelationBound> {
+        let bound = RelationBound {
+            max: i64::from(max),
+            before: owned_relations(tx).await?,
+        };
+        if bound.before > bound.max {
+            tracing::warn!(
+                plugin,
+                relations = bound.before,
+                max,
+                "the plugin's role owns more relations \
+                than limits.max_relations; no migration may add to them"
+            );
+        }
+        Ok(bound)
+    }
+
+    /// Refuses the migrations (their transaction is not committed) once they leave more
+    /// relations than the bound and than before.
+    async fn check(&self, tx: &mut PluginTx) -> Result<()> {
+        let now = owned_relations(tx).await?;
+        if now <= self.max || now <= self.before {
+            return Ok(());
+        }
+        bail!(
+            "its migrations were not applied: they would leave the plugin's role owning {now} \
+             relations or more (tables, partitions, indexes, sequences, views and their TOAST \
+             tables), more than limits.max_relations ({}); an operator who raises it sizes \
+             Postgres's max_locks_per_transaction to match (docs/operations.md)",
+            self.max
+        )
+    }
+}
+
+/// The relations the session's role owns in this database, wherever they are (composite types
+/// aside, which nothing locks). Every name is qualified: the session is the plugin's, and its
+/// schema is in its search path.
+async fn owned_relations(tx: &mut PluginTx) -> Result<i64> {
+    Ok(sqlx::query_scalar(
         "SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c \
-         JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
-         WHERE n.nspname OPERATOR(pg_catalog.=) $1 AND c.relkind OPERATOR(pg_catalog.<>) 'c'",
+         WHERE c.relowner OPERATOR(pg_catalog.=) (SELECT r.oid FROM pg_catalog.pg_roles r \
+                                                   WHERE r.rolname OPERATOR(pg_catalog.=) session_user) \
+           AND c.relkind OPERATOR(pg_catalog.<>) 'c'",
     )
-    .bind(schema)
     .fetch_one(&mut **tx)
-    .await?;
-    if count <= i64::from(max) {
-        return Ok(());
-    }
-    let what = format!(
-        "the plugin's schema holds {count} relations (tables, partitions, indexes, sequences, \
-         views), more than limits.max_relations ({max}); an operator who raises it sizes \
-         Postgres's max_locks_per_transaction to match (docs/operations.md)"
-    );
-    if ran {
-        bail!("its migrations were not applied: {what}");
-    }
-    tracing::warn!(plugin = %schema, relations = count, max, "{what}; no new migration may add to them");
-    Ok(())
+    .await?)
 }
 
 /// Every applied migration must still be in the manifest, unchanged. Returns the last one.

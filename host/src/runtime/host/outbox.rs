@@ -40,11 +40,11 @@ impl CallState {
     }
 
     fn try_emit(&mut self, event: Event, delay_ms: u64) -> Result<String, EmitError> {
-        if self.tx.is_none() {
+        let Some(role) = self.tx.as_ref().map(|tx| tx.role().to_owned()) else {
             return Err(EmitError::Invalid(
                 "emit is available only inside handle-command and handle-event".into(),
             ));
-        }
+        };
         if delay_ms > MAX_DELAY_MS {
             return Err(EmitError::Limit(format!("the delay is {delay_ms} ms, over ten years")));
         }
@@ -87,8 +87,8 @@ impl CallState {
                 limits.max_emit_bytes_per_call
             )));
         }
-        // What the database will write (the session passes `event_id`, and it is made ours).
-        let id = crate::outbox::stored_event_id(&self.plugin.name, event.event_id).to_string();
+        // What the database will write: the session passes `event_id`, made the plugin's own.
+        let id = crate::outbox::stored_event_id(&role, event.event_id).to_string();
         event.delay_ms = delay_ms;
         self.event_bytes += event.payload.len();
         self.events.push(event);
