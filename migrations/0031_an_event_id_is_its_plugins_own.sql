@@ -10,7 +10,7 @@
 -- Now every id a plugin's session passes becomes the plugin's own, here, whichever function
 -- the session calls: obx.event_id_in(role, id), the role being obx_<installation>_<plugin>.
 -- The same plugin passing the same id gets the same event id, so a retried emit is still one
--- event; but no plugin can write an id that is, or will be, another plugin's, in this
+-- event; but no plugin can feasibly write an id that is, or will be, another plugin's, in this
 -- installation or another. The host computes the same function, to tell the plugin what
 -- `emit` wrote (host/src/outbox/mod.rs, stored_event_id). A host of the previous version
 -- still tells its plugins the ids as it passed them, during a rolling deploy.
@@ -22,7 +22,7 @@
 -- bytes 7 to 16 of SHA-256 over a fixed prefix, the role's name, a zero byte and the id's 16
 -- bytes, marked as a UUID of version 8 (RFC 9562's custom layout). The ids of a plugin's
 -- events thus still grow with time, as the outbox's and the consumers' indexes want, and the
--- 74 hashed bits are what no other role can produce. The zero byte ends the name, which holds
+-- 74 hashed bits are what another role could only find by a search of about 2^74 hashes. The zero byte ends the name, which holds
 -- none: two (role, id) pairs never hash the same input. A role's name is
 -- obx_<hex>_[a-z][a-z0-9_]*, so its text is its bytes in any encoding, and the cast to bytea
 -- reads no escape in it.
@@ -224,9 +224,29 @@ END $$;
 
 -- The delayed events waiting now were written with the ids as given: no consumer has seen
 -- them, and an emit of one of their ids would now be written as the plugin's own id and not
--- be refused as theirs. They take the ids they would have now.
-UPDATE obx.outbox_delayed d SET event_id = obx.event_id_in(p.role_name, d.event_id)
-  FROM obx.plugin p WHERE p.name = d.plugin_name;
+-- be refused as theirs. They take the ids they would have now, unless another event has that
+-- id already: a plugin could have written an id and its own derived id before this migration,
+-- and the unique index would refuse the update (or the release would later drop the event).
+-- Those keep theirs, and the migration says how many.
+DO $$
+DECLARE
+    v_waiting bigint;
+    v_renamed bigint;
+BEGIN
+    SELECT count(*) INTO v_waiting FROM obx.outbox_delayed d JOIN obx.plugin p ON p.name = d.plugin_name;
+    UPDATE obx.outbox_delayed d SET event_id = obx.event_id_in(p.role_name, d.event_id)
+      FROM obx.plugin p
+     WHERE p.name = d.plugin_name
+       AND NOT EXISTS (SELECT 1 FROM obx.outbox_delayed w
+                        WHERE w.event_id = obx.event_id_in(p.role_name, d.event_id))
+       AND NOT EXISTS (SELECT 1 FROM obx.outbox_event o
+                        WHERE o.event_id = obx.event_id_in(p.role_name, d.event_id));
+    GET DIAGNOSTICS v_renamed = ROW_COUNT;
+    IF v_renamed < v_waiting THEN
+        RAISE WARNING '% waiting delayed events keep the ids they were written with: another event has the new one',
+            v_waiting - v_renamed;
+    END IF;
+END $$;
 
 -- emit_calls and emit_delayed keep their owner, which runs obx.event_id_in for them: should
 -- another role apply this migration than the one that made them, that owner may still call it.

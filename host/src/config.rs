@@ -653,9 +653,10 @@ pub struct Limits {
     pub lock_timeout: Duration,
     /// Calls that run at once across all plugins; the rest wait for a slot.
     pub max_concurrent_calls: u32,
-    /// Relations (tables, partitions, indexes, sequences, views) a plugin's migrations may
-    /// leave in its schema. A statement on a table takes a lock on each of its indexes and
-    /// inheritance children, in a lock table the whole server shares (docs/operations.md).
+    /// Relations (tables, partitions, indexes, sequences, views, and their TOAST tables) a
+    /// plugin's migrations may leave its role owning. A statement on a table takes a lock on
+    /// each of its indexes, inheritance children and TOAST relations, in a lock table the whole
+    /// server shares (docs/operations.md).
     pub max_relations: u32,
 }
 

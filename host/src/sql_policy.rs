@@ -28,7 +28,8 @@
 use std::ops::ControlFlow;
 
 use sqlparser::ast::{
-    AccessExpr, Expr, Ident, ObjectName, ObjectNamePart, ObjectType, SetExpr, Statement, TableFactor, Visit, Visitor,
+    AccessExpr, AlterTableOperation, ColumnDef, ColumnOption, Expr, Ident, ObjectName, ObjectNamePart, ObjectType,
+    SetExpr, Statement, TableConstraint, TableFactor, Visit, Visitor,
 };
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::keywords::Keyword;
@@ -97,6 +98,7 @@ pub fn check_migration(sql: &str, own_schema: &str, max_bytes: usize) -> Result<
         }
         check_created_names(&statement, own_schema)?;
         check_not_temporary(&statement)?;
+        check_created_relations(&statement)?;
         check_tree(&statement, own_schema, Context::Migration)?;
         out.push(statement.to_string());
     }
@@ -272,6 +274,66 @@ fn check_not_temporary(statement: &Statement) -> Result<(), PolicyError> {
         return Err(forbidden("temporary tables, views and sequences are not allowed"));
     }
     Ok(())
+}
+
+/// The most relations (indexes, sequences) one migration statement may create besides its
+/// table. Each holds a lock to the migration's end, in the lock table the whole server shares
+/// (6,400 entries with Postgres's defaults); the host counts what a plugin owns after every
+/// statement (`limits.max_relations`), and this bounds what one statement adds before that.
+pub const MAX_RELATIONS_PER_STATEMENT: usize = 64;
+
+/// Refuses a CREATE or ALTER TABLE that would create more than
+/// [`MAX_RELATIONS_PER_STATEMENT`] indexes (primary keys, unique constraints) and sequences
+/// (serial and identity columns) at once: `UNIQUE (a, b), UNIQUE (a, c), …` fits thousands in
+/// one statement.
+fn check_created_relations(statement: &Statement) -> Result<(), PolicyError> {
+    let created = match statement {
+        Statement::CreateTable(t) => {
+            t.constraints.iter().filter(|c| has_index(c)).count()
+                + t.columns.iter().map(column_relations).sum::<usize>()
+        }
+        Statement::AlterTable(a) => a
+            .operations
+            .iter()
+            .map(|op| match op {
+                AlterTableOperation::AddConstraint { constraint, .. } => usize::from(has_index(constraint)),
+                AlterTableOperation::AddColumn { column_def, .. } => column_relations(column_def),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    };
+    if created > MAX_RELATIONS_PER_STATEMENT {
+        return Err(forbidden(&format!(
+            "the statement would create {created} indexes and sequences at once, over the limit \
+             of {MAX_RELATIONS_PER_STATEMENT}"
+        )));
+    }
+    Ok(())
+}
+
+fn has_index(constraint: &TableConstraint) -> bool {
+    matches!(constraint, TableConstraint::Unique(_) | TableConstraint::PrimaryKey(_))
+}
+
+/// The indexes and sequences a column definition creates: one per unique or primary key
+/// option, one per identity (or generated) option, one for a serial type.
+fn column_relations(column: &ColumnDef) -> usize {
+    let options = column
+        .options
+        .iter()
+        .filter(|o| {
+            matches!(
+                o.option,
+                ColumnOption::Unique(_) | ColumnOption::PrimaryKey(_) | ColumnOption::Generated { .. }
+            )
+        })
+        .count();
+    let serial = matches!(
+        column.data_type.to_string().to_ascii_lowercase().as_str(),
+        "serial" | "serial2" | "serial4" | "serial8" | "smallserial" | "bigserial"
+    );
+    options + usize::from(serial)
 }
 
 /// Normalises one identifier the way Postgres does: unquoted names fold to lower case.
@@ -671,6 +733,38 @@ mod tests {
     fn garbage_is_invalid() {
         assert!(matches!(handler("SELEC 1"), Err(PolicyError::Invalid(_))));
         assert!(matches!(handler(""), Err(PolicyError::Invalid(_))));
+    }
+
+    /// One statement may not create thousands of indexes or sequences, each locked to the
+    /// migration's end; a table with a few of each passes.
+    #[test]
+    fn a_migration_statement_creates_a_bounded_number_of_relations() {
+        let many = |each: &dyn Fn(usize) -> String, n: usize| (0..n).map(each).collect::<Vec<_>>().join(", ");
+        let columns = many(&|i| format!("c{i} int"), 70);
+        let unique = |n| {
+            format!(
+                "CREATE TABLE t ({columns}, {})",
+                many(&|i| format!("UNIQUE (c0, c{i})"), n)
+            )
+        };
+        assert!(migration(&unique(MAX_RELATIONS_PER_STATEMENT)).is_ok());
+        for sql in [
+            unique(MAX_RELATIONS_PER_STATEMENT + 1),
+            format!("CREATE TABLE t ({})", many(&|i| format!("c{i} bigserial"), 65)),
+            format!("CREATE TABLE t ({})", many(&|i| format!("c{i} int UNIQUE"), 65)),
+            format!(
+                "CREATE TABLE t ({})",
+                many(&|i| format!("c{i} int GENERATED ALWAYS AS IDENTITY"), 65)
+            ),
+            format!("ALTER TABLE t {}", many(&|i| format!("ADD UNIQUE (c0, c{i})"), 65)),
+            format!("ALTER TABLE t {}", many(&|i| format!("ADD COLUMN d{i} serial"), 65)),
+        ] {
+            match migration(&sql) {
+                Err(PolicyError::Forbidden(m)) => assert!(m.contains("indexes and sequences"), "{m}"),
+                other => panic!("{}: expected Forbidden, got {other:?}", &sql[..60]),
+            }
+        }
+        assert!(migration("CREATE TABLE t (id bigserial PRIMARY KEY, k text UNIQUE, n int)").is_ok());
     }
 
     #[test]

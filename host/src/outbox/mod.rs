@@ -112,9 +112,10 @@ const MAX_FIELD_BYTES: usize = 1024;
 /// function (`obx.event_id_in`, migration 0031), whichever function the session calls; the
 /// host computes it to tell the plugin what `emit` wrote. The same plugin passing the same id
 /// gets the same event id, so a retried emit is still one event, and the ids of a plugin's
-/// events still grow with time; but no plugin, of this installation or another, can write an
-/// id that is, or will be, another plugin's, and so make that plugin's emits fail on the
-/// outbox's unique index, or a consumer of both skip its event as already processed.
+/// events still grow with time; but no plugin, of this installation or another, can feasibly
+/// write an id that is, or will be, another plugin's (it would need a search of about 2^74
+/// hashes), and so make that plugin's emits fail on the outbox's unique index, or a consumer
+/// of both skip its event as already processed.
 pub fn stored_event_id(role: &str, id: Uuid) -> Uuid {
     let digest = Sha256::new()
         .chain_update(b"obx event id ")

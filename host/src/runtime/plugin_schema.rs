@@ -481,6 +481,8 @@ async fn owned_relations(tx: &mut PluginTx) -> Result<i64> {
                                                    WHERE r.rolname OPERATOR(pg_catalog.=) session_user) \
            AND c.relkind OPERATOR(pg_catalog.<>) 'c'",
     )
+    // Not a named prepared statement: the plugin's SQL could have prepared one of that name.
+    .persistent(false)
     .fetch_one(&mut **tx)
     .await?)
 }
