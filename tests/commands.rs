@@ -789,18 +789,19 @@ async fn a_request_whose_key_another_still_holds_is_answered_409_in_use() {
 }
 
 /// A command whose `COMMIT` is still running when `http.request_timeout` passes (a deferred
-/// trigger makes it take 3 s; the timeout is 2 s) is answered with its outcome. It was 503
+/// trigger makes it take 4 s; the timeout is 3 s) is answered with its outcome. It was 503
 /// `timeout` while Postgres went on to commit it, and a client told 503 runs the command
-/// again. A commit that outlasts a second timeout is answered 504 `outcome_unknown`.
+/// again. A commit that outlasts a second timeout (8 s against 6) is answered 504
+/// `outcome_unknown`. (A second of margin each way was too little on a loaded machine.)
 #[tokio::test]
 async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_outcome() {
     let host = spawn_host_with(&["testbed"], |c| {
-        c.http.request_timeout = Duration::from_secs(2);
+        c.http.request_timeout = Duration::from_secs(3);
         c.limits.statement_timeout = Duration::from_secs(30);
     })
     .await;
     make_slow_commit(&host).await;
-    let a = host.command("testbed", "sql", slow_commit("late", 3.0)).await;
+    let a = host.command("testbed", "sql", slow_commit("late", 4.0)).await;
     assert_eq!(a.status, 200, "{}", a.text);
     assert_eq!(
         host.count("SELECT count(*) FROM testbed.slow_commit WHERE id = 'late'")
@@ -808,7 +809,7 @@ async fn a_command_still_committing_at_the_request_timeout_is_answered_with_its_
         1
     );
 
-    let a = host.command("testbed", "sql", slow_commit("later", 5.0)).await;
+    let a = host.command("testbed", "sql", slow_commit("later", 8.0)).await;
     assert_eq!((a.status, a.code()), (504, "outcome_unknown"), "{}", a.text);
     host.shutdown().await;
 }
@@ -835,18 +836,19 @@ async fn a_keyed_rejection_after_a_failed_statement_is_stored_and_replayed() {
 }
 
 /// A keyed rejection whose answer is still being committed at `http.request_timeout` (a
-/// trigger makes storing it take 3 s; the timeout is 2 s) is answered with the rejection, and
-/// a retry replays it. It was 503 `timeout` ("send it again") while the answer committed.
+/// trigger makes storing it take 4 s; the timeout is 3 s, so 6 s for the outcome) is answered
+/// with the rejection, and a retry replays it. It was 503 `timeout` ("send it again") while
+/// the answer committed.
 #[tokio::test]
 async fn a_rejection_whose_answer_is_still_committing_at_the_request_timeout_is_answered() {
     let host = spawn_host_with(&["testbed"], |c| {
-        c.http.request_timeout = Duration::from_secs(2);
+        c.http.request_timeout = Duration::from_secs(3);
         c.limits.statement_timeout = Duration::from_secs(30);
     })
     .await;
     sqlx::raw_sql(
         "CREATE FUNCTION public.slow_answer() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$; \
+         $$ BEGIN PERFORM pg_sleep(4); RETURN NEW; END $$; \
          CREATE TRIGGER slow_answer BEFORE UPDATE ON obx.idempotency_key \
          FOR EACH ROW EXECUTE FUNCTION public.slow_answer()",
     )

@@ -270,10 +270,12 @@ fn obx_status_reports_the_status_of_an_error_that_is_not_json() {
         peer.write_all(answer.as_bytes()).unwrap();
     });
     let out = obx().args(["status", "--url", &url]).output().unwrap();
-    proxy.join().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("502") && stderr.contains("Bad Gateway"), "{stderr}");
+    // Joined only once the answer shows the peer was reached: it would wait for ever on a
+    // `status` that never connected.
+    proxy.join().unwrap();
 }
 
 #[test]

@@ -6,12 +6,12 @@
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{plugin, wait_ready};
+use common::{plugin, wait_ready, KillOnDrop};
 use obx::db::embedded::EmbeddedPostgres;
 use obx::kafka::MockBroker;
 use serde_json::{json, Value};
@@ -31,8 +31,10 @@ struct Service {
     port: u16,
 }
 
+/// Killed when dropped, so that a failed assertion leaves no host behind (it would hold the
+/// test's output open, and run on).
 struct Serving {
-    child: Child,
+    child: KillOnDrop,
     log: JoinHandle<Vec<String>>,
 }
 
@@ -85,26 +87,29 @@ impl Service {
             .unwrap();
         let stderr = child.stderr.take().unwrap();
         let log = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect());
-        Serving { child, log }
+        Serving {
+            child: KillOnDrop(child),
+            log,
+        }
     }
 }
 
 impl Serving {
     fn signal(&self, signal: i32) {
         // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
+        unsafe { libc::kill(self.child.0.id() as i32, signal) };
     }
 
     /// Waits for the process to exit; panics after `limit`.
     fn wait(mut self, limit: Duration) -> (ExitStatus, Duration, String) {
         let started = Instant::now();
         let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.child.0.try_wait().unwrap() {
                 break status;
             }
             if started.elapsed() > limit {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
+                let _ = self.child.0.kill();
+                let _ = self.child.0.wait();
                 let log = self.log.join().unwrap().join("\n");
                 panic!("obx serve did not exit within {limit:?}; log:\n{log}");
             }

@@ -687,9 +687,16 @@ impl TestHost {
             .expect("logging in as the plugin's role")
     }
 
+    /// Stops the host, within a minute: a session of the test's still holding a lock the
+    /// host's tasks wait on (they have no lock timeout) fails the test instead of hanging it.
     pub async fn shutdown(self) {
-        self.db.close().await;
-        self.host.shutdown().await.unwrap();
+        let stop = async {
+            self.db.close().await;
+            self.host.shutdown().await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(60), stop)
+            .await
+            .expect("the host did not shut down within a minute (a connection of the test's still out?)");
     }
 }
 
