@@ -679,6 +679,10 @@ async fn the_operators_lists_come_in_pages_that_hold_every_row_once() {
         "/v1/quarantine?after=-",
         "/v1/timers?after=zz",
         "/v1/timers?after=00",
+        // Postgres refuses a NUL: the request's fault, not 503 `database_unavailable`.
+        "/v1/dlq?plugin=%00",
+        "/v1/timers?plugin=a%00b",
+        "/v1/quarantine?plugin=%00",
     ] {
         let answer = host.get(bad).await;
         assert_eq!(

@@ -238,6 +238,21 @@ impl Drop for OffWorkers {
 }
 
 fn database_error(e: anyhow::Error) -> Response {
+    // Postgres refused a value of the request (SQLSTATE class 22, a data exception: a NUL in
+    // a plugin's name, say): the caller's input, not an outage to alert on.
+    let refused = e.chain().filter_map(|c| c.downcast_ref::<sqlx::Error>()).find_map(|e| {
+        e.as_database_error()?
+            .code()
+            .filter(|c| c.starts_with("22"))
+            .map(|c| c.into_owned())
+    });
+    if let Some(code) = refused {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            &format!("Postgres cannot take a value of the request (SQLSTATE {code}): a NUL character, say"),
+        );
+    }
     tracing::warn!(
         error = format!("{e:#}"),
         "an admin request could not reach the database"

@@ -1120,8 +1120,47 @@ async fn quarantine(conn: &mut PgConnection, consumer: &str, m: &OwnedMessage, r
     .bind(m.key().map(|k| &k[..k.len().min(KEEP)]))
     .bind(m.payload().map(|p| &p[..p.len().min(KEEP)]))
     .bind(headers)
-    .bind(reason)
+    // A reason may quote a handler's error, which can hold a NUL: refused, the quarantine
+    // would be tried for ever and hold its partition.
+    .bind(storable(reason))
     .execute(conn)
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::embedded::EmbeddedPostgres;
+    use rdkafka::message::Timestamp;
+    use sqlx::Connection;
+
+    /// A quarantine whose reason quotes an error with a NUL in it (a handler's, at a refused
+    /// park) is stored: Postgres refused the text, the insert was tried again for ever, and
+    /// the message's partition moved no more.
+    #[tokio::test]
+    async fn a_reason_with_a_nul_is_stored() {
+        let pg = EmbeddedPostgres::start(&[]).unwrap();
+        let mut conn = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+        let pool = sqlx::PgPool::connect(&pg.url("postgres")).await.unwrap();
+        crate::db::migrate(&pool).await.unwrap();
+        pool.close().await;
+        let m = OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            None,
+        );
+        quarantine(&mut conn, "c", &m, "refused: the handler said \"a\0b\"")
+            .await
+            .expect("the quarantine is stored");
+        let reason: String = sqlx::query_scalar("SELECT reason FROM obx.quarantine WHERE consumer = 'c'")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(reason, "refused: the handler said \"a\u{FFFD}b\"");
+    }
 }

@@ -153,8 +153,19 @@ const CLOUDEVENTS_ID_NAMESPACE: Uuid = uuid::uuid!("3eccc7b8-082c-47ea-8cb3-65a4
 /// (`ce_specversion` 1.x), its `ce_id` and `ce_type`. A CloudEvent is identified by its
 /// source and id together, so a `ce_id` that is not a UUID becomes the UUID v5 of
 /// `ce_source` and `ce_id`: a redelivered CloudEvent is the same event, and two sources'
-/// equal ids are not.
+/// equal ids are not. A `ce_id` that is a UUID is the event id as it is, as an `eventId` is.
+///
+/// The nil UUID is refused (the message is quarantined): it is a producer's unset field,
+/// and every event after the first to carry it would be skipped as a duplicate of it.
 fn identity(headers: &BTreeMap<String, String>) -> Result<(Uuid, String), String> {
+    let (id, event_type) = given_identity(headers)?;
+    if id.is_nil() {
+        return Err("the event id is the nil UUID (an unset field?): every event with it would be one event".into());
+    }
+    Ok((id, event_type))
+}
+
+fn given_identity(headers: &BTreeMap<String, String>) -> Result<(Uuid, String), String> {
     let cloudevent = headers.get("ce_specversion").is_some_and(|v| v.starts_with("1."));
     if !headers.contains_key("eventId") && cloudevent {
         let id = headers
@@ -384,6 +395,30 @@ mod tests {
                 "not a UUID",
             ),
             (message(None, Some(b"{}"), &[("eventId", ID)]), "no eventType header"),
+            (
+                message(
+                    None,
+                    Some(b"{}"),
+                    &[
+                        ("eventId", b"00000000-0000-0000-0000-000000000000"),
+                        ("eventType", b"X"),
+                    ],
+                ),
+                "nil UUID",
+            ),
+            (
+                message(
+                    None,
+                    Some(b"{}"),
+                    &[
+                        ("ce_specversion", b"1.0"),
+                        ("ce_id", b"00000000-0000-0000-0000-000000000000"),
+                        ("ce_source", b"/s"),
+                        ("ce_type", b"T"),
+                    ],
+                ),
+                "nil UUID",
+            ),
             (message(None, Some(b"not json"), good), "not JSON"),
             (message(None, Some(b"\xff\xfe"), good), "not UTF-8"),
             (message(Some(b"\xff\xfe"), Some(b"{}"), good), "key is not UTF-8"),
