@@ -457,3 +457,62 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
     assert!(ends.contains(&"closed"), "a peer was asked to leave: {ends:?}");
     host.shutdown().await;
 }
+
+/// Request bodies in flight are bounded for the whole host, not only one by one: with room
+/// for two 64 KiB bodies, a third request with a body is answered 503 `busy` at once (its
+/// body unread, its connection closed) while two peers trickle theirs; a request without a
+/// body is still served; and once a peer goes, a command goes through again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
+    const BODY: usize = 64 * 1024;
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.max_body_bytes = BODY;
+        c.http.max_body_bytes_in_flight = 2 * BODY;
+    })
+    .await;
+    let head = |length: usize| {
+        format!(
+            "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {length}\r\n\r\n"
+        )
+    };
+    let mut trickling = Vec::new();
+    for _ in 0..2 {
+        let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
+        peer.write_all(head(BODY).as_bytes()).await.unwrap();
+        peer.write_all(b"{\"id\":").await.unwrap();
+        trickling.push(peer);
+    }
+    // Their heads have arrived and taken the budget (a second is ample).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut third = TcpStream::connect(host.host.addr).await.unwrap();
+    let body = r#"{"id":"third","topic":"testbed.events"}"#;
+    third.write_all(head(body.len()).as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut answer))
+        .await
+        .expect("no answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains(r#""code":"busy""#), "{answer}");
+    assert!(answer.to_ascii_lowercase().contains("retry-after: 1"), "{answer}");
+    assert!(closed(&mut third, Duration::from_secs(3)).await, "still open");
+    assert_eq!(host.get("/v1/plugins").await.status, 200, "a request without a body");
+
+    drop(trickling.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let a = host
+            .command("testbed", "emit", json!({ "id": "after", "topic": "testbed.events" }))
+            .await;
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.code(), "busy", "{}", a.text);
+        assert!(Instant::now() < deadline, "still busy after a peer went");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(trickling);
+    host.shutdown().await;
+}

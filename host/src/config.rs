@@ -165,6 +165,11 @@ pub struct HttpConfig {
     pub listen: SocketAddr,
     /// The largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// The most bytes of request bodies all connections may hold at once, each request
+    /// counted by its declared length when its head arrives (`http.max_body_bytes` if it
+    /// declares none). A request past it is answered 503 `busy` at once. At least
+    /// `http.max_body_bytes`.
+    pub max_body_bytes_in_flight: usize,
     /// Requests that take longer, from their head's arrival, are answered 408 if their body
     /// had not all arrived, 503 otherwise.
     #[serde(with = "humantime_serde")]
@@ -194,6 +199,7 @@ impl Default for HttpConfig {
         HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 1024 * 1024,
+            max_body_bytes_in_flight: 64 * 1024 * 1024,
             request_timeout: Duration::from_secs(30),
             max_connections: 1024,
             header_read_timeout: Duration::from_secs(30),
@@ -992,6 +998,9 @@ impl Config {
         if self.http.max_body_bytes == 0 {
             return invalid("http.max_body_bytes", "must be greater than 0");
         }
+        if self.http.max_body_bytes_in_flight < self.http.max_body_bytes {
+            return invalid("http.max_body_bytes_in_flight", "must be at least http.max_body_bytes");
+        }
         if self.http.max_connections == 0 {
             return invalid("http.max_connections", "must be greater than 0");
         }
@@ -1509,5 +1518,9 @@ mod tests {
         c.limits.statement_timeout = Duration::ZERO;
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("limits.statement_timeout"), "{e}");
+        let mut c = Config::default();
+        c.http.max_body_bytes_in_flight = c.http.max_body_bytes - 1;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("http.max_body_bytes_in_flight"), "{e}");
     }
 }

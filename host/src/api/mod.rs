@@ -7,6 +7,7 @@
 
 mod admin;
 mod auth;
+mod bodies;
 mod commands;
 mod deadline;
 pub mod descriptors;
@@ -123,6 +124,10 @@ pub fn router(state: AppState, http: &HttpConfig, winding_down: tokio::sync::wat
         .merge(api)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(http.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            bodies::Budget::new(http.max_body_bytes_in_flight, http.max_body_bytes),
+            bodies::bounded,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             deadline::Deadline {
                 timeout: http.request_timeout,

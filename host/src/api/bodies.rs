@@ -1,0 +1,98 @@
+//! A bound on the request bodies all of a host's connections hold at once
+//! (`http.max_body_bytes_in_flight`). `http.max_body_bytes` bounds one body; without this,
+//! `http.max_connections` peers each sending one could make the host hold about a gigabyte
+//! (twice that while each is checked and copied) for as long as `http.request_timeout`.
+//!
+//! A request takes its body's declared length from the budget when its head has arrived,
+//! before any of its body is read (or `http.max_body_bytes` if it declares none: a chunked
+//! body), and gives it back with its answer. A request the budget cannot take is answered at
+//! once, 503 `busy` with `Retry-After`, and its connection closed (its body unread).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::Response;
+use tokio::sync::Semaphore;
+
+use super::errors::error_response;
+
+/// The budget is counted in KiB, as a semaphore's permits.
+const UNIT: usize = 1024;
+
+#[derive(Clone)]
+pub struct Budget {
+    kib: Arc<Semaphore>,
+    /// The most one body may take: `http.max_body_bytes`, in KiB.
+    one_body_kib: u32,
+}
+
+impl Budget {
+    pub fn new(in_flight_bytes: usize, max_body_bytes: usize) -> Budget {
+        let kib = |bytes: usize| u32::try_from(bytes.div_ceil(UNIT)).unwrap_or(u32::MAX);
+        Budget {
+            kib: Arc::new(Semaphore::new(kib(in_flight_bytes) as usize)),
+            one_body_kib: kib(max_body_bytes),
+        }
+    }
+
+    /// What a request with these headers takes: its declared length, at most one body's
+    /// bound; one body's bound if it has a body of no declared length; nothing without one.
+    fn cost(&self, headers: &HeaderMap) -> u32 {
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        match declared {
+            Some(bytes) => u32::try_from(bytes.div_ceil(UNIT as u64))
+                .unwrap_or(u32::MAX)
+                .min(self.one_body_kib),
+            None if headers.contains_key(header::TRANSFER_ENCODING) => self.one_body_kib,
+            None => 0,
+        }
+    }
+}
+
+pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next) -> Response {
+    let cost = budget.cost(request.headers());
+    if cost == 0 {
+        return next.run(request).await;
+    }
+    let Ok(taken) = budget.kib.clone().try_acquire_many_owned(cost) else {
+        metrics::counter!("obx_http_requests_refused_total", "reason" => "bodies_in_flight").increment(1);
+        let mut response = error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+            "the host holds as many request bodies as http.max_body_bytes_in_flight allows; send it again",
+        );
+        let headers = response.headers_mut();
+        headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    };
+    let response = next.run(request).await;
+    drop(taken);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_takes_its_declared_length_at_most_one_bodys_bound() {
+        let budget = Budget::new(8 * UNIT, 2 * UNIT);
+        let with = |name: header::HeaderName, value: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_str(value).unwrap());
+            h
+        };
+        assert_eq!(budget.cost(&HeaderMap::new()), 0);
+        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "0")), 0);
+        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "1")), 1);
+        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "1025")), 2);
+        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "99999999999999")), 2);
+        assert_eq!(budget.cost(&with(header::TRANSFER_ENCODING, "chunked")), 2);
+    }
+}
