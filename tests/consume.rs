@@ -107,9 +107,10 @@ async fn the_same_event_delivered_twice_has_one_effect() {
     host.shutdown().await;
 }
 
-/// A host stopped at once in process (`Host::kill`: its tasks and consumers aborted), then
-/// the next host of the service: each event has one effect. librdkafka may still commit the
-/// stored offsets as an aborted consumer is dropped, so this need not see a redelivery;
+/// A host stopped in process (`Host::kill`), then the next host of the service: each event
+/// has one effect. `kill` aborts the host's tasks, but its consumers stop as at a shutdown
+/// (their supervisor's channel closes) and commit their offsets, so this need not see a
+/// redelivery;
 /// `a_host_killed_with_sigkill_after_its_batches_commit_and_before_its_offsets_do_has_one_effect_per_event`
 /// is the crash before the offset commit.
 #[tokio::test]

@@ -459,9 +459,11 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
 }
 
 /// Request bodies in flight are bounded for the whole host, not only one by one: with room
-/// for two 64 KiB bodies, a third request with a body is answered 503 `busy` at once (its
-/// body unread, its connection closed) while two peers trickle theirs; a request without a
-/// body is still served; and once a peer goes, a command goes through again.
+/// for two 64 KiB bodies, a third request with a 64 KiB body is answered 503 `busy` while two
+/// peers trickle theirs; a request without a body is still served; and once a peer goes, a
+/// command goes through again. (The third's body is read and dropped before its answer, so
+/// that a close with bytes unread cannot reset the connection; on loopback here the answer
+/// arrived either way, so this does not show that part.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     const BODY: usize = 64 * 1024;
@@ -486,8 +488,10 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     // Their heads have arrived and taken the budget (a second is ample).
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut third = TcpStream::connect(host.host.addr).await.unwrap();
-    let body = r#"{"id":"third","topic":"testbed.events"}"#;
+    let padding = " ".repeat(BODY - 64);
+    let body = format!(r#"{{"id":"third","topic":"testbed.events"}}{padding}"#);
     third.write_all(head(body.len()).as_bytes()).await.unwrap();
+    third.write_all(body.as_bytes()).await.unwrap();
     let mut answer = vec![0u8; 4096];
     let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut answer))
         .await
@@ -497,7 +501,6 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains(r#""code":"busy""#), "{answer}");
     assert!(answer.to_ascii_lowercase().contains("retry-after: 1"), "{answer}");
-    assert!(closed(&mut third, Duration::from_secs(3)).await, "still open");
     assert_eq!(host.get("/v1/plugins").await.status, 200, "a request without a body");
 
     drop(trickling.pop());

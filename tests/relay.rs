@@ -662,6 +662,11 @@ async fn a_replay_through_the_api_answers_in_parts_within_the_request_timeout() 
         .map(|m| m.header("eventId").unwrap())
         .collect();
     assert_eq!(replays.len(), 40, "each event replayed");
+    // A filter Postgres cannot take is the caller's fault, not 503 `replay_failed`.
+    let a = host
+        .post_json("/v1/outbox/replay", json!({ "aggregate_type": "a\u{0}b" }))
+        .await;
+    assert_eq!((a.status, a.code()), (400, "bad_request"), "{}", a.text);
     host.shutdown().await;
 }
 

@@ -237,7 +237,11 @@ impl Host {
     }
 
     /// Stops everything at once, as a crash would, minus the process exit: no draining, no
-    /// flushing, connections dropped. For tests of what survives a crash.
+    /// flushing, connections dropped. For tests of what survives a crash. Except the Kafka
+    /// consumers: their supervisor's channel closes, and they stop as at a shutdown (their
+    /// lanes finish what they hold, then the offsets are committed and the leases released);
+    /// a crash before the offset commit needs a process killed (`tests/consume.rs`'s SIGKILL
+    /// tests).
     pub async fn kill(self) {
         self.ready.store(false, Ordering::SeqCst);
         self.server.abort();

@@ -214,6 +214,9 @@ pub async fn outbox_replay(
         }))
         .into_response(),
         Err(e) => {
+            if let Some(refused) = refused_input(&e) {
+                return refused;
+            }
             // Database and broker text goes to the log, not to the client.
             tracing::warn!(error = format!("{e:#}"), "outbox replay failed");
             error_response(
@@ -238,20 +241,8 @@ impl Drop for OffWorkers {
 }
 
 fn database_error(e: anyhow::Error) -> Response {
-    // Postgres refused a value of the request (SQLSTATE class 22, a data exception: a NUL in
-    // a plugin's name, say): the caller's input, not an outage to alert on.
-    let refused = e.chain().filter_map(|c| c.downcast_ref::<sqlx::Error>()).find_map(|e| {
-        e.as_database_error()?
-            .code()
-            .filter(|c| c.starts_with("22"))
-            .map(|c| c.into_owned())
-    });
-    if let Some(code) = refused {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            &format!("Postgres cannot take a value of the request (SQLSTATE {code}): a NUL character, say"),
-        );
+    if let Some(refused) = refused_input(&e) {
+        return refused;
     }
     tracing::warn!(
         error = format!("{e:#}"),
@@ -262,6 +253,31 @@ fn database_error(e: anyhow::Error) -> Response {
         "database_unavailable",
         "Postgres does not answer",
     )
+}
+
+/// 400 `bad_request` if Postgres refused a value of the request (SQLSTATE class 22, a data
+/// exception: a NUL in a plugin's name, say): the caller's input, not an outage to alert on.
+/// The admin queries bind the request's values and read stored columns as they are, so the
+/// class comes only from the request.
+fn refused_input(e: &anyhow::Error) -> Option<Response> {
+    let code = e
+        .chain()
+        .filter_map(|c| c.downcast_ref::<sqlx::Error>())
+        .find_map(|e| {
+            e.as_database_error()?
+                .code()
+                .filter(|c| c.starts_with("22"))
+                .map(|c| c.into_owned())
+        })?;
+    tracing::debug!(
+        error = format!("{e:#}"),
+        "an admin request's value was refused by Postgres"
+    );
+    Some(error_response(
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+        &format!("Postgres cannot take a value of the request (SQLSTATE {code}): a NUL character, say"),
+    ))
 }
 
 #[derive(Deserialize)]

@@ -5,27 +5,40 @@
 //!
 //! A request takes its body's declared length from the budget when its head has arrived,
 //! before any of its body is read (or `http.max_body_bytes` if it declares none: a chunked
-//! body), and gives it back with its answer. A request the budget cannot take is answered at
-//! once, 503 `busy` with `Retry-After`, and its connection closed (its body unread).
+//! body), and gives it back with its answer. A request the budget cannot take is answered
+//! 503 `busy` with `Retry-After`, once its body has been read and dropped a frame at a time
+//! (never held): a connection closed with bytes unread is reset, and the client's kernel
+//! throws the answer away. A body not read within [`DRAIN_WITHIN`] (or longer than one
+//! body's bound) is answered the same with its connection closed.
+//!
+//! The charge is what a request declares, not what it has sent: a caller allowed to send
+//! commands can hold the budget with heads whose bodies never come, for
+//! `http.request_timeout`, as it can hold `http.max_connections` connections.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
+use futures::StreamExt;
 use tokio::sync::Semaphore;
 
 use super::errors::error_response;
 
 /// The budget is counted in KiB, as a semaphore's permits.
 const UNIT: usize = 1024;
+/// The longest a refused request's body is read (and dropped) before its answer.
+const DRAIN_WITHIN: Duration = Duration::from_secs(5);
 
 #[derive(Clone)]
 pub struct Budget {
     kib: Arc<Semaphore>,
     /// The most one body may take: `http.max_body_bytes`, in KiB.
     one_body_kib: u32,
+    one_body_bytes: usize,
 }
 
 impl Budget {
@@ -34,6 +47,7 @@ impl Budget {
         Budget {
             kib: Arc::new(Semaphore::new(kib(in_flight_bytes) as usize)),
             one_body_kib: kib(max_body_bytes),
+            one_body_bytes: max_body_bytes,
         }
     }
 
@@ -61,6 +75,7 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
     }
     let Ok(taken) = budget.kib.clone().try_acquire_many_owned(cost) else {
         metrics::counter!("obx_http_requests_refused_total", "reason" => "bodies_in_flight").increment(1);
+        let drained = drain(request.into_body(), budget.one_body_bytes).await;
         let mut response = error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "busy",
@@ -68,12 +83,32 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
         );
         let headers = response.headers_mut();
         headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        if !drained {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         return response;
     };
     let response = next.run(request).await;
     drop(taken);
     response
+}
+
+/// Reads `body` to its end and drops each frame as it comes: whether it ended within
+/// [`DRAIN_WITHIN`] and `most` bytes.
+async fn drain(body: Body, most: usize) -> bool {
+    let mut frames = body.into_data_stream();
+    let to_the_end = async {
+        let mut read = 0usize;
+        while let Some(frame) = frames.next().await {
+            let Ok(frame) = frame else { return false };
+            read += frame.len();
+            if read > most {
+                return false;
+            }
+        }
+        true
+    };
+    tokio::time::timeout(DRAIN_WITHIN, to_the_end).await.unwrap_or(false)
 }
 
 #[cfg(test)]

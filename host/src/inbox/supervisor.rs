@@ -38,20 +38,11 @@ const RESTART_CHECK: Duration = Duration::from_secs(1);
 /// from [`RESTART_CHECK`]; one that ran this long first waits the shortest again).
 const RESTART_MAX: Duration = Duration::from_secs(60);
 
-/// A consumer's task, aborted if this is dropped before the task ends: when the supervisor
-/// is itself aborted (`Host::kill`, or a shutdown past its bound), its consumers stop with it
-/// instead of running on, detached, beside the host's next start.
 struct Running {
     subscriptions: Vec<Subscription>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
     started: Instant,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
 
 /// A plugin whose consumer ended on its own: how many times in a row, and when it may start
@@ -78,8 +69,8 @@ impl Supervisor {
                 _ = shutdown.changed() => break,
             }
         }
-        for (_, mut consumer) in running.drain() {
-            stop(&mut consumer).await;
+        for (_, consumer) in running.drain() {
+            stop(consumer).await;
         }
     }
 
@@ -97,9 +88,9 @@ impl Supervisor {
             .map(|(name, _)| name.clone())
             .collect();
         for name in outdated {
-            if let Some(mut consumer) = running.remove(&name) {
+            if let Some(consumer) = running.remove(&name) {
                 tracing::info!(plugin = %name, "stopping the consumer: the plugin's subscriptions changed or it was unloaded");
-                stop(&mut consumer).await;
+                stop(consumer).await;
             }
         }
         // Its plugin was away when an event came (unloaded and loaded again while this
@@ -161,7 +152,7 @@ impl Supervisor {
 }
 
 /// Stops a consumer: it finishes the event in hand and commits its offsets.
-async fn stop(consumer: &mut Running) {
+async fn stop(consumer: Running) {
     let _ = consumer.stop.send(true);
-    let _ = (&mut consumer.task).await;
+    let _ = consumer.task.await;
 }
