@@ -246,12 +246,17 @@ impl Consumer {
         for lane in lanes {
             let _ = lane.await;
         }
-        // Commit the offsets of completed work before leaving the group; closing the
-        // consumer (librdkafka's leave) blocks, so it happens off the async runtime.
-        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-            tracing::debug!(plugin = %self.plugin, error = %e, "final offset commit");
-        }
-        let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+        // Commit the offsets of completed work before leaving the group. Both block (a
+        // commit waits for the group's coordinator, for up to the session timeout with the
+        // broker away; closing is librdkafka's leave), so they happen off the async runtime.
+        let plugin = self.plugin.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+                tracing::debug!(%plugin, error = %e, "final offset commit");
+            }
+            drop(consumer);
+        })
+        .await;
         if let Ended::Shutdown = ended {
             tracing::info!(plugin = %self.plugin, "consumer stopped");
         }
