@@ -108,15 +108,15 @@ async fn the_same_event_delivered_twice_has_one_effect() {
 }
 
 /// A host stopped in process (`Host::kill`), then the next host of the service: each event
-/// has one effect. `kill` aborts the host's tasks, but its consumers stop as at a shutdown
-/// (their supervisor's channel closes) and commit their offsets, so this need not see a
+/// has one effect, and the next host goes on past them. `kill` aborts the host's tasks, but
+/// its consumers wind down on their own and commit their offsets, so this need not see a
 /// redelivery;
 /// `a_host_killed_with_sigkill_after_its_batches_commit_and_before_its_offsets_do_has_one_effect_per_event`
 /// is the crash before the offset commit.
 #[tokio::test]
-async fn a_crash_between_the_commit_and_the_offset_commit_has_one_effect() {
+async fn a_host_killed_in_process_and_the_next_one_have_one_effect_per_event() {
     let broker = broker();
-    // Offsets are stored after each commit, but never committed to Kafka before the crash.
+    // Offsets are stored after each commit; the timer never commits them before the kill.
     let never_commit = |c: &mut obx::config::Config| {
         broker.configure(c);
         c.consumer.auto_commit_interval_ms = 600_000;
@@ -145,7 +145,7 @@ async fn a_crash_between_the_commit_and_the_offset_commit_has_one_effect() {
     crashed.kill().await;
     drop(db);
 
-    // The next host of the service gets all twenty again: each is a dedup hit.
+    // The next host of the service: any of the twenty it gets again is a dedup hit.
     let next = spawn_host_on(&url, &["testbed"], |c| broker.configure(c)).await;
     let marker = send_event(&p, &next.topic(DEDUP), "k0", "Thing", &json!({ "seq": 99 })).await;
     eventually(

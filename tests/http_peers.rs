@@ -463,7 +463,8 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
 /// peers trickle theirs; a request without a body is still served; and once a peer goes, a
 /// command goes through again. (The third's body is read and dropped before its answer, so
 /// that a close with bytes unread cannot reset the connection; on loopback here the answer
-/// arrived either way, so this does not show that part.)
+/// arrived either way, so this does not show that part.) One that waits for `100 Continue`
+/// is answered at once, not asked to upload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     const BODY: usize = 64 * 1024;
@@ -501,6 +502,19 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains(r#""code":"busy""#), "{answer}");
     assert!(answer.to_ascii_lowercase().contains("retry-after: 1"), "{answer}");
+    assert!(closed(&mut third, Duration::from_secs(3)).await, "still open");
+    // A request that waits for `100 Continue` is refused without being asked for its body.
+    let mut fourth = TcpStream::connect(host.host.addr).await.unwrap();
+    let waiting = head(BODY).replace("\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n");
+    fourth.write_all(waiting.as_bytes()).await.unwrap();
+    let mut buffer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), fourth.read(&mut buffer))
+        .await
+        .expect("no answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&buffer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(!answer.contains("100 Continue"), "{answer}");
     assert_eq!(host.get("/v1/plugins").await.status, 200, "a request without a body");
 
     drop(trickling.pop());

@@ -238,10 +238,10 @@ impl Host {
 
     /// Stops everything at once, as a crash would, minus the process exit: no draining, no
     /// flushing, connections dropped. For tests of what survives a crash. Except the Kafka
-    /// consumers: their supervisor's channel closes, and they stop as at a shutdown (their
-    /// lanes finish what they hold, then the offsets are committed and the leases released);
-    /// a crash before the offset commit needs a process killed (`tests/consume.rs`'s SIGKILL
-    /// tests).
+    /// consumers: only their supervisor is aborted, and each consumer, seeing its stop
+    /// channel closed, winds down on its own after this returns (its lanes end their batches,
+    /// its offsets are committed, its leases released). A crash before the offset commit
+    /// needs a process killed (`tests/consume.rs`'s SIGKILL tests).
     pub async fn kill(self) {
         self.ready.store(false, Ordering::SeqCst);
         self.server.abort();

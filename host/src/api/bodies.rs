@@ -6,10 +6,11 @@
 //! A request takes its body's declared length from the budget when its head has arrived,
 //! before any of its body is read (or `http.max_body_bytes` if it declares none: a chunked
 //! body), and gives it back with its answer. A request the budget cannot take is answered
-//! 503 `busy` with `Retry-After`, once its body has been read and dropped a frame at a time
-//! (never held): a connection closed with bytes unread is reset, and the client's kernel
-//! throws the answer away. A body not read within [`DRAIN_WITHIN`] (or longer than one
-//! body's bound) is answered the same with its connection closed.
+//! 503 `busy` with `Retry-After`, and its connection closed, once its body has been read and
+//! dropped a frame at a time (never held): a connection closed with bytes unread is reset,
+//! and the client's kernel may throw the answer away. The read stops after [`DRAIN_WITHIN`]
+//! or one body's bound. A request that waits for `100 Continue` has sent no body, and is
+//! answered at once: reading its body would invite the upload.
 //!
 //! The charge is what a request declares, not what it has sent: a caller allowed to send
 //! commands can hold the budget with heads whose bodies never come, for
@@ -75,7 +76,9 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
     }
     let Ok(taken) = budget.kib.clone().try_acquire_many_owned(cost) else {
         metrics::counter!("obx_http_requests_refused_total", "reason" => "bodies_in_flight").increment(1);
-        let drained = drain(request.into_body(), budget.one_body_bytes).await;
+        if !request.headers().contains_key(header::EXPECT) {
+            drain(request.into_body(), budget.one_body_bytes).await;
+        }
         let mut response = error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "busy",
@@ -83,9 +86,9 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
         );
         let headers = response.headers_mut();
         headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        if !drained {
-            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
+        // Closed, as a refused peer's connection always was: a drained one could otherwise
+        // be kept busy with refusals.
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         return response;
     };
     let response = next.run(request).await;
@@ -93,22 +96,20 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
     response
 }
 
-/// Reads `body` to its end and drops each frame as it comes: whether it ended within
-/// [`DRAIN_WITHIN`] and `most` bytes.
-async fn drain(body: Body, most: usize) -> bool {
+/// Reads `body` and drops each frame as it comes, to its end, or [`DRAIN_WITHIN`], or `most`
+/// bytes, whichever comes first.
+async fn drain(body: Body, most: usize) {
     let mut frames = body.into_data_stream();
     let to_the_end = async {
         let mut read = 0usize;
-        while let Some(frame) = frames.next().await {
-            let Ok(frame) = frame else { return false };
+        while let Some(Ok(frame)) = frames.next().await {
             read += frame.len();
             if read > most {
-                return false;
+                return;
             }
         }
-        true
     };
-    tokio::time::timeout(DRAIN_WITHIN, to_the_end).await.unwrap_or(false)
+    let _ = tokio::time::timeout(DRAIN_WITHIN, to_the_end).await;
 }
 
 #[cfg(test)]
