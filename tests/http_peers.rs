@@ -82,6 +82,16 @@ fn accepted_sockets(port: u16) -> Vec<String> {
 }
 
 /// Whether the server has closed `peer` (a read ends or fails), waiting up to `within`.
+/// What `peer` reads of its answer at its first read, within 5 s, as text.
+async fn answer_of(peer: &mut TcpStream) -> String {
+    let mut buffer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buffer))
+        .await
+        .expect("no answer")
+        .unwrap();
+    String::from_utf8_lossy(&buffer[..n]).into_owned()
+}
+
 async fn closed(peer: &mut TcpStream, within: Duration) -> bool {
     let mut buf = [0u8; 4096];
     let deadline = tokio::time::Instant::now() + within;
@@ -259,12 +269,7 @@ async fn a_body_slower_than_the_request_timeout_is_answered_408() {
     peer.write_all(head.as_bytes()).await.unwrap();
     peer.write_all(&body.as_bytes()[..10]).await.unwrap();
     let started = Instant::now();
-    let mut answer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut answer))
-        .await
-        .expect("no answer")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    let answer = answer_of(&mut peer).await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains(r#""code":"request_timeout""#), "{answer}");
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
@@ -493,12 +498,7 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     let body = format!(r#"{{"id":"third","topic":"testbed.events"}}{padding}"#);
     third.write_all(head(body.len()).as_bytes()).await.unwrap();
     third.write_all(body.as_bytes()).await.unwrap();
-    let mut answer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut answer))
-        .await
-        .expect("no answer")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    let answer = answer_of(&mut third).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains(r#""code":"busy""#), "{answer}");
     assert!(answer.to_ascii_lowercase().contains("retry-after: 1"), "{answer}");
@@ -507,12 +507,7 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     let mut fourth = TcpStream::connect(host.host.addr).await.unwrap();
     let waiting = head(BODY).replace("\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n");
     fourth.write_all(waiting.as_bytes()).await.unwrap();
-    let mut buffer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), fourth.read(&mut buffer))
-        .await
-        .expect("no answer")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&buffer[..n]).into_owned();
+    let answer = answer_of(&mut fourth).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(!answer.contains("100 Continue"), "{answer}");
     assert_eq!(host.get("/v1/plugins").await.status, 200, "a request without a body");

@@ -255,20 +255,16 @@ fn database_error(e: anyhow::Error) -> Response {
     )
 }
 
-/// 400 `bad_request` if Postgres refused a value of the request (SQLSTATE class 22, a data
-/// exception: a NUL in a plugin's name, say): the caller's input, not an outage to alert on.
-/// The admin queries bind the request's values and read stored columns as they are, so the
-/// class comes only from the request.
+/// 400 `bad_request` if Postgres refused a value of the request (`db::refused_value`: a data
+/// exception, such as a NUL in a plugin's name): the caller's input, not an outage to alert
+/// on. The admin queries bind the request's values and read stored columns as they are, so
+/// such a refusal comes only from the request.
 fn refused_input(e: &anyhow::Error) -> Option<Response> {
-    let code = e
+    let refused = e
         .chain()
         .filter_map(|c| c.downcast_ref::<sqlx::Error>())
-        .find_map(|e| {
-            e.as_database_error()?
-                .code()
-                .filter(|c| c.starts_with("22"))
-                .map(|c| c.into_owned())
-        })?;
+        .find(|e| crate::db::refused_value(e))?;
+    let code = refused.as_database_error().and_then(|d| d.code()).unwrap_or_default();
     tracing::debug!(
         error = format!("{e:#}"),
         "an admin request's value was refused by Postgres"

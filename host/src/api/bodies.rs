@@ -37,17 +37,19 @@ const DRAIN_WITHIN: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Budget {
     kib: Arc<Semaphore>,
-    /// The most one body may take: `http.max_body_bytes`, in KiB.
-    one_body_kib: u32,
+    /// The most one body may take: `http.max_body_bytes`.
     one_body_bytes: usize,
+}
+
+/// `bytes` in whole KiB, rounded up.
+fn kib(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(UNIT as u64)).unwrap_or(u32::MAX)
 }
 
 impl Budget {
     pub fn new(in_flight_bytes: usize, max_body_bytes: usize) -> Budget {
-        let kib = |bytes: usize| u32::try_from(bytes.div_ceil(UNIT)).unwrap_or(u32::MAX);
         Budget {
-            kib: Arc::new(Semaphore::new(kib(in_flight_bytes) as usize)),
-            one_body_kib: kib(max_body_bytes),
+            kib: Arc::new(Semaphore::new(kib(in_flight_bytes as u64) as usize)),
             one_body_bytes: max_body_bytes,
         }
     }
@@ -59,11 +61,10 @@ impl Budget {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
+        let one_body = kib(self.one_body_bytes as u64);
         match declared {
-            Some(bytes) => u32::try_from(bytes.div_ceil(UNIT as u64))
-                .unwrap_or(u32::MAX)
-                .min(self.one_body_kib),
-            None if headers.contains_key(header::TRANSFER_ENCODING) => self.one_body_kib,
+            Some(bytes) => kib(bytes).min(one_body),
+            None if headers.contains_key(header::TRANSFER_ENCODING) => one_body,
             None => 0,
         }
     }
