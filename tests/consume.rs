@@ -1599,6 +1599,71 @@ async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
     host.shutdown().await;
 }
 
+/// A flood of parked events does not hold up its plugin. Whoever can write to a subscribed
+/// topic can send events the handler refuses, each parked at its first attempt: with no key,
+/// or each with a key of its own, so that nothing waits behind them. A claim's walk read
+/// them all the same: its first 256 unprocessed events were all parked, so it fell back to
+/// each key's head, which read every parked event with no key and made two index descents
+/// per parked key. Here 200,000 such events are parked (half with no key, half each with a
+/// key of its own) and the statement timeout is 300 ms; the events behind them take effect.
+#[tokio::test]
+async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.consumer.max_attempts = 1;
+        c.limits.statement_timeout = Duration::from_millis(300);
+        c.limits.lock_timeout = Duration::from_millis(100);
+    })
+    .await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(INBOX);
+    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "poison": true })).await;
+    eventually(Duration::from_secs(20), "key A parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
+    })
+    .await;
+    // Parked as the consumer parks a refused event, at its first attempt.
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
+                                      attempts, last_error, parked) \
+         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', \
+                CASE WHEN g % 2 = 0 THEN 'flood-' || g END, 1, 'refused', true \
+         FROM obx.inbox_event e, generate_series(1, 200000) g WHERE e.parked",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type) \
+         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing' \
+         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.partition_key = 'A'",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let b = send_many(&p, &topic, "B", 1..4).await;
+    eventually(
+        Duration::from_secs(30),
+        "key B and the events with no key flow",
+        || async {
+            let mut all = host
+                .count("SELECT count(*) FROM testbed.effects WHERE key IS NULL")
+                .await
+                == 2;
+            for id in &b {
+                all &= effects(&host, *id).await == 1;
+            }
+            all
+        },
+    )
+    .await;
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE parked").await,
+        200_001,
+        "the parked events stay parked"
+    );
+    host.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_discarded_dead_letter_releases_its_key_in_inbox_mode() {
     let host = spawn_host(&["testbed"]).await;

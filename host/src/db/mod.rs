@@ -624,6 +624,7 @@ mod tests {
         (29, "0cc80e65d88c55b33aff795d5af07758"),
         (30, "458b15a10ef48afe773a0ff85531a16b"),
         (31, "be16091c8b44d0de794ca816f852b6e2"),
+        (32, "3278b6433db34c6286daf4ee25f5009e"),
     ];
 
     #[test]
