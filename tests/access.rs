@@ -104,6 +104,7 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
         ("GET", "/v1/catalog", Some(&read), 200),
         ("POST", "/v1/dlq/1/retry", Some(&read), 403),
         ("POST", "/v1/dlq/1/discard", Some(&read), 403),
+        ("POST", "/v1/dlq/discard?plugin=orders", Some(&read), 403),
         ("POST", "/v1/timers/cancel", Some(&read), 403),
         ("POST", "/v1/timers/retry", Some(&read), 403),
         ("POST", "/v1/outbox/replay", Some(&read), 403),
@@ -132,7 +133,10 @@ async fn unauthenticated_and_wrongly_scoped_requests_are_refused() {
         ("GET", "/v1/dlq", Some(&adm), 200),
         ("POST", "/v1/dlq/1/retry", None, 401),
         ("POST", "/v1/dlq/1/discard", Some(&cmd), 403),
-        ("POST", "/v1/dlq/1/retry", Some(&adm), 404), // nothing parked
+        ("POST", "/v1/dlq/discard?plugin=orders", Some(&cmd), 403),
+        ("POST", "/v1/dlq/discard?plugin=orders", None, 401),
+        ("POST", "/v1/dlq/discard?plugin=orders", Some(&adm), 200), // none parked: 0 discarded
+        ("POST", "/v1/dlq/1/retry", Some(&adm), 404),               // nothing parked
         ("GET", "/v1/quarantine", None, 401),
         ("GET", "/v1/quarantine", Some(&cmd), 403),
         ("GET", "/v1/quarantine", Some(&adm), 200),

@@ -1608,6 +1608,23 @@ async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
 /// key of its own) and the statement timeout is 300 ms; the events behind them take effect.
 #[tokio::test]
 async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
+    parked_flood("CASE WHEN g % 2 = 0 THEN 'flood-' || g END", 0).await;
+}
+
+/// The same flood, parked events with no key only, behind a parked key's backlog of 300
+/// events: the walk's first 256 cannot run, so each claim falls back to the keys' heads,
+/// and finds the events with no key among those that are not parked. (It read the parked
+/// ones too, one by one: 32 ms a claim for these 200,000, 0.6 ms now; a timeout would take
+/// millions, so this test shows the fallback's results, not that cost.)
+#[tokio::test]
+async fn a_flood_of_parked_events_with_no_key_does_not_hold_up_a_claims_fallback() {
+    parked_flood("NULL", 300).await;
+}
+
+/// 200,000 events parked (each with the key `flood_key` gives it) behind key A's dead letter,
+/// and `backlog` events of key A waiting behind that; then two events with no key and three
+/// of key B, which must take effect within the plugin's 300 ms statement timeout.
+async fn parked_flood(flood_key: &str, backlog: i64) {
     let host = spawn_host_with(&["testbed"], |c| {
         c.consumer.max_attempts = 1;
         c.limits.statement_timeout = Duration::from_millis(300);
@@ -1621,21 +1638,25 @@ async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
         host.count("SELECT count(*) FROM obx.dead_letter").await == 1
     })
     .await;
-    // Parked as the consumer parks a refused event, at its first attempt.
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
-                                      attempts, last_error, parked) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', \
-                CASE WHEN g % 2 = 0 THEN 'flood-' || g END, 1, 'refused', true \
-         FROM obx.inbox_event e, generate_series(1, 200000) g WHERE e.parked",
-    )
-    .execute(&host.db)
-    .await
-    .unwrap();
+    // Key A's backlog first, then the flood, parked as the consumer parks a refused event, at
+    // its first attempt.
+    for (events, key, parked) in [(backlog, "'A'", false), (200_000, flood_key, true)] {
+        sqlx::query(&format!(
+            "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
+                                          attempts, last_error, parked) \
+             SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', \
+                    {key}, {attempts}, 'refused', {parked} \
+             FROM obx.inbox_event e, generate_series(1, {events}) g WHERE e.parked AND e.partition_key = 'A'",
+            attempts = i32::from(parked),
+        ))
+        .execute(&host.db)
+        .await
+        .unwrap();
+    }
     sqlx::query(
         "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type) \
          SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing' \
-         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.partition_key = 'A'",
+         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.parked AND e.partition_key = 'A'",
     )
     .execute(&host.db)
     .await
@@ -1661,6 +1682,70 @@ async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
         200_001,
         "the parked events stay parked"
     );
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await,
+        0
+    );
+    host.shutdown().await;
+}
+
+/// A plugin's parked events are discarded together (`POST /v1/dlq/discard?plugin=`, `obx dlq
+/// discard --parked PLUGIN`), as each is by its id: marked processed without running, and
+/// their keys move on. One id at a time, a flood of refused events took an operator a request
+/// per event.
+#[tokio::test]
+async fn a_plugins_parked_events_are_discarded_together() {
+    let host = spawn_host(&["testbed"]).await;
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(INBOX);
+    let (mut bad, mut next) = (Vec::new(), Vec::new());
+    for key in ["K1", "K2", "K3"] {
+        bad.push(send_event(&p, &topic, key, "Thing", &json!({ "reject": true })).await);
+        next.push(send_event(&p, &topic, key, "Thing", &json!({ "seq": 2 })).await);
+    }
+    eventually(Duration::from_secs(20), "three parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await
+            == 3
+    })
+    .await;
+    let refused = host.post_json("/v1/dlq/discard", json!({})).await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (400, "bad_request"),
+        "{}",
+        refused.text
+    );
+    let other = host.post_json("/v1/dlq/discard?plugin=ghost", json!({})).await;
+    assert_eq!(other.body["discarded"], 0, "{}", other.text);
+
+    let answer = host.post_json("/v1/dlq/discard?plugin=testbed", json!({})).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    assert_eq!(answer.body["discarded"], 3);
+    assert_eq!(answer.body["more"], false);
+    eventually(Duration::from_secs(20), "the keys move on", || async {
+        let mut all = true;
+        for id in &next {
+            all &= effects(&host, *id).await == 1;
+        }
+        all
+    })
+    .await;
+    for id in &bad {
+        assert_eq!(effects(&host, *id).await, 0, "a discarded event never runs");
+    }
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'discarded' AND resolved_at IS NOT NULL")
+            .await,
+        3
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE parked OR NOT processed")
+            .await,
+        0
+    );
+    let again = host.post_json("/v1/dlq/discard?plugin=testbed", json!({})).await;
+    assert_eq!(again.body["discarded"], 0, "{}", again.text);
     host.shutdown().await;
 }
 

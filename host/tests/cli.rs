@@ -150,6 +150,10 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
     };
     assert_eq!(run(&["dlq", "list"]).trim(), "no parked events");
     assert_eq!(run(&["dlq", "quarantine"]).trim(), "no quarantined messages");
+    assert_eq!(
+        run(&["dlq", "discard", "--parked", "orders"]).trim(),
+        "orders: 0 parked events discarded"
+    );
     assert_eq!(run(&["timers", "list", "--limit", "1"]).trim(), "no timers");
     let refused = obx()
         .args(["timers", "list", "--limit", "0", "--url", &base])

@@ -5,6 +5,8 @@
 //!
 //! * `GET /v1/dlq?plugin=&all=` — dead letters, newest first;
 //! * `POST /v1/dlq/{id}/retry`, `POST /v1/dlq/{id}/discard`;
+//! * `POST /v1/dlq/discard?plugin=` — a thousand of the plugin's parked events discarded at
+//!   a time: `{"discarded": n, "more": bool}`;
 //! * `GET /v1/quarantine?plugin=` — quarantined messages;
 //! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`;
 //! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins;
@@ -67,6 +69,29 @@ pub async fn dlq_retry(State(state): State<Arc<AppState>>, Path(id): Path<i64>) 
 
 pub async fn dlq_discard(State(state): State<Arc<AppState>>, Path(id): Path<i64>) -> Response {
     resolved(id, "discarded", dlq::discard(&state.admin_pool, id).await)
+}
+
+#[derive(Deserialize)]
+pub struct DiscardQuery {
+    plugin: Option<String>,
+}
+
+/// `POST /v1/dlq/discard?plugin=P`: up to [`dlq::DISCARD_BATCH`] of the plugin's parked dead
+/// letters discarded, oldest first, in one transaction; `more` tells the caller to ask again.
+pub async fn dlq_discard_parked(State(state): State<Arc<AppState>>, Query(q): Query<DiscardQuery>) -> Response {
+    let Some(plugin) = q.plugin.filter(|p| !p.is_empty()) else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "name the plugin whose parked events to discard: ?plugin=",
+        );
+    };
+    match dlq::discard_parked(&state.admin_pool, &plugin).await {
+        Ok(n) => {
+            Json(json!({ "plugin": plugin, "discarded": n, "more": n as i64 >= dlq::DISCARD_BATCH })).into_response()
+        }
+        Err(e) => database_error(e.into()),
+    }
 }
 
 fn resolved(id: i64, status: &str, result: Result<(), DlqError>) -> Response {

@@ -107,6 +107,7 @@ pub fn router(state: AppState, http: &HttpConfig, winding_down: tokio::sync::wat
     let act = Router::new()
         .route("/v1/dlq/{id}/retry", post(admin::dlq_retry))
         .route("/v1/dlq/{id}/discard", post(admin::dlq_discard))
+        .route("/v1/dlq/discard", post(admin::dlq_discard_parked))
         .route("/v1/timers/cancel", post(admin::timers_cancel))
         .route("/v1/timers/retry", post(admin::timers_retry))
         .route("/v1/outbox/replay", post(admin::outbox_replay))

@@ -263,6 +263,32 @@ fn list_query((flag, on): (&'static str, bool), plugin: Option<String>) -> Vec<(
     query
 }
 
+/// Discards every parked event of `plugin`, a batch to a transaction, until a batch comes
+/// back short; the number discarded.
+async fn discard_parked(target: &Target, plugin: &str) -> Result<u64> {
+    let mut total = 0;
+    loop {
+        let (discarded, more) = match target {
+            Target::Database(pool) => {
+                let n = crate::inbox::dlq::discard_parked(pool, plugin).await?;
+                (n, n as i64 >= crate::inbox::dlq::DISCARD_BATCH)
+            }
+            Target::Host(admin) => {
+                let query = url::form_urlencoded::Serializer::new(String::new())
+                    .append_pair("plugin", plugin)
+                    .finish();
+                let answer = admin.post(&format!("/v1/dlq/discard?{query}"), &()).await?;
+                let discarded = answer["discarded"].as_u64().context("the host's answer has no count")?;
+                (discarded, answer["more"].as_bool().unwrap_or(false))
+            }
+        };
+        total += discarded;
+        if !more {
+            return Ok(total);
+        }
+    }
+}
+
 pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCommand) -> Result<ExitCode> {
     use crate::inbox::dlq;
     let config = Config::load(config.as_deref())?;
@@ -308,8 +334,14 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
             }
             say_more(next.as_deref(), "obx dlq list");
         }
-        DlqCommand::Retry { ids } | DlqCommand::Discard { ids } if ids.is_empty() => {
-            anyhow::bail!("give the ids of the dead letters (see `obx dlq list`)");
+        DlqCommand::Discard {
+            parked: Some(plugin), ..
+        } => {
+            let total = discard_parked(&target, &plugin).await?;
+            println!("{plugin}: {total} parked events discarded");
+        }
+        DlqCommand::Retry { ids } | DlqCommand::Discard { ids, .. } if ids.is_empty() => {
+            anyhow::bail!("give the ids of the dead letters (see `obx dlq list`), or --parked PLUGIN to discard");
         }
         DlqCommand::Retry { ids } => {
             for id in ids {
@@ -320,7 +352,7 @@ pub(super) async fn dlq(config: Option<PathBuf>, host: HostArgs, command: DlqCom
                 println!("{id}: sent back for processing");
             }
         }
-        DlqCommand::Discard { ids } => {
+        DlqCommand::Discard { ids, .. } => {
             for id in ids {
                 match &target {
                     Target::Database(pool) => dlq::discard(pool, id).await?,

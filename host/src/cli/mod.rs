@@ -165,7 +165,12 @@ enum DlqCommand {
     /// Sends parked events back to be processed, attempts reset; their keys follow in order.
     Retry { ids: Vec<i64> },
     /// Marks parked events processed without running them; their keys move on.
-    Discard { ids: Vec<i64> },
+    Discard {
+        ids: Vec<i64>,
+        /// Every parked event of this plugin instead of ids, a thousand to a transaction.
+        #[arg(long, value_name = "PLUGIN", conflicts_with = "ids")]
+        parked: Option<String>,
+    },
     /// Lists quarantined messages (not events: no eventId, not JSON, ...), newest first.
     Quarantine {
         #[arg(long)]

@@ -5,7 +5,8 @@
 //! * retries it (`obx dlq retry ID`): it goes back to the inbox processors with its attempts
 //!   reset, and the key's waiting events follow it in order; or
 //! * discards it (`obx dlq discard ID`): it is marked processed without running, and the
-//!   key's waiting events proceed.
+//!   key's waiting events proceed. `obx dlq discard --parked PLUGIN` discards all of a
+//!   plugin's parked events, a thousand to a transaction.
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -130,6 +131,46 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
     tx.commit().await?;
     tracing::info!(id, %consumer, %event_id, status, "dead letter resolved");
     Ok(())
+}
+
+/// The most dead letters [`discard_parked`] resolves in one transaction.
+pub const DISCARD_BATCH: i64 = 1000;
+
+/// Discards up to [`DISCARD_BATCH`] of `consumer`'s parked dead letters, oldest first, in one
+/// transaction, as [`discard`] does each, and tells how many: fewer than the batch means
+/// none is left (but those parked meanwhile). For a flood of refused events, which an
+/// operator would otherwise discard one id at a time. Letters another session is resolving
+/// are skipped.
+pub async fn discard_parked(pool: &PgPool, consumer: &str) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let discarded: i64 = sqlx::query_scalar(
+        "WITH picked AS ( \
+             SELECT d.id FROM obx.dead_letter d \
+             WHERE d.consumer = $1 AND d.status = 'parked' \
+             ORDER BY d.id LIMIT $2 FOR UPDATE SKIP LOCKED \
+         ), resolved AS ( \
+             UPDATE obx.dead_letter d SET status = 'discarded', resolved_at = now() \
+             FROM picked p WHERE d.id = p.id \
+             RETURNING d.consumer, d.event_id \
+         ), released AS ( \
+             UPDATE obx.inbox_event e SET parked = false, processed = true, processed_at = now() \
+             FROM resolved r WHERE e.consumer = r.consumer AND e.event_id = r.event_id \
+         ), recorded AS ( \
+             INSERT INTO obx.processed_event (consumer, event_id) \
+             SELECT r.consumer, r.event_id FROM resolved r ON CONFLICT DO NOTHING \
+         ) \
+         SELECT count(*) FROM resolved",
+    )
+    .bind(consumer)
+    .bind(DISCARD_BATCH)
+    .fetch_one(&mut *tx)
+    .await?;
+    crate::dispatch::commit_sent();
+    tx.commit().await?;
+    if discarded > 0 {
+        tracing::info!(%consumer, discarded, "parked dead letters discarded");
+    }
+    Ok(discarded as u64)
 }
 
 /// A page of quarantined messages, newest first. The cursor is the last id listed.
