@@ -2148,6 +2148,33 @@ async fn an_event_handler_emits_follow_ups_through_the_outbox() {
     host.shutdown().await;
 }
 
+/// An event of a type its subscription does not list is skipped, and counted: a producer
+/// that renames a type would otherwise see its events vanish with no trace.
+#[tokio::test]
+async fn an_event_of_an_unlisted_type_is_skipped_and_counted() {
+    let host = spawn_host(&["orders", "inventory"]).await;
+    let skipped = || metric_value("obx_consumer_skipped_total{plugin=\"inventory\"}");
+    let before = skipped();
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic("order.events");
+    // One, then three more: alone, or in a run that a batch takes.
+    send_event(&p, &topic, "o-1", "OrderPlaced", &json!({ "orderId": "o-1" })).await;
+    eventually(Duration::from_secs(20), "the first skipped", || async {
+        skipped() >= before + 1.0
+    })
+    .await;
+    for n in 2..5 {
+        send_event(&p, &topic, &format!("o-{n}"), "OrderPlaced", &json!({ "orderId": n })).await;
+    }
+    eventually(Duration::from_secs(20), "all four skipped", || async {
+        skipped() >= before + 4.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(skipped(), before + 4.0, "each counted once");
+    host.shutdown().await;
+}
+
 /// Failed handler attempts of a plugin's events so far, from the host's metrics.
 fn failed_attempts(plugin: &str) -> f64 {
     metric_value(&format!(

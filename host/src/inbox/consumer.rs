@@ -466,6 +466,7 @@ impl Lane {
                 for m in &messages[i..i + committed] {
                     settle(m);
                 }
+                self.skipped(run[..committed].iter().filter(|e| e.is_none()).count());
                 failed = in_batch.into_iter().map(|(at, f)| (i + at, f)).collect();
                 i += committed;
                 if i == messages.len() {
@@ -487,6 +488,15 @@ impl Lane {
             }
         }
         Done::Settled
+    }
+
+    /// Counts `n` events settled without running: their type is not among those the
+    /// plugin's subscription lists (or the plugin no longer subscribes to their topic). A
+    /// producer that renames an event type would otherwise see its events vanish unseen.
+    fn skipped(&self, n: usize) {
+        if n > 0 {
+            metrics::counter!("obx_consumer_skipped_total", "plugin" => self.plugin.clone()).increment(n as u64);
+        }
     }
 
     /// The leading messages that a batch can take: events of subscriptions of one mode
@@ -679,9 +689,13 @@ impl Lane {
             return Done::Stopped;
         };
         let Some(subscription) = plugin.manifest.subscriptions.iter().find(|s| s.topic == event.topic) else {
+            self.skipped(1);
             return Done::Settled;
         };
         if !subscription.event_types.is_empty() && !subscription.event_types.contains(&event.event_type) {
+            tracing::debug!(plugin = %self.plugin, event_type = %event.event_type, topic = %event.topic,
+                            "an event of a type the subscription does not list: skipped");
+            self.skipped(1);
             return Done::Settled;
         }
         match subscription.mode {
