@@ -1744,8 +1744,61 @@ async fn a_plugins_parked_events_are_discarded_together() {
             .await,
         0
     );
+    for id in &bad {
+        let recorded = host
+            .count(&format!(
+                "SELECT count(*) FROM obx.processed_event WHERE consumer = 'testbed' AND event_id = '{id}'"
+            ))
+            .await;
+        assert_eq!(
+            recorded, 1,
+            "a discarded event is recorded as processed: delivered again, a duplicate"
+        );
+    }
     let again = host.post_json("/v1/dlq/discard?plugin=testbed", json!({})).await;
     assert_eq!(again.body["discarded"], 0, "{}", again.text);
+
+    // Past a batch: 1,001 parked; the first answer says up to which id it discards, and a
+    // letter parked after it is left to a later request.
+    let park = |n: i64| {
+        sqlx::query(
+            "WITH e AS ( \
+                 INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
+                                              attempts, last_error, parked) \
+                 SELECT 'testbed', gen_random_uuid(), 'bulk', '{}', 'Thing', 'bulk-' || g, 1, 'refused', true \
+                 FROM generate_series(1, $1) g \
+                 RETURNING consumer, event_id, topic, partition_key, event_type) \
+             INSERT INTO obx.dead_letter (consumer, event_id, topic, partition_key, event_type, error, attempts) \
+             SELECT consumer, event_id, topic, partition_key, event_type, 'refused', 1 FROM e",
+        )
+        .bind(n)
+        .execute(&host.db)
+    };
+    park(1001).await.unwrap();
+    let first = host.post_json("/v1/dlq/discard?plugin=testbed", json!({})).await;
+    assert_eq!(
+        (&first.body["discarded"], &first.body["more"]),
+        (&json!(1000), &json!(true)),
+        "{}",
+        first.text
+    );
+    park(1).await.unwrap();
+    let through = first.body["through"].as_i64().unwrap();
+    let rest = host
+        .post_json(&format!("/v1/dlq/discard?plugin=testbed&through={through}"), json!({}))
+        .await;
+    assert_eq!(
+        (&rest.body["discarded"], &rest.body["more"]),
+        (&json!(1), &json!(false)),
+        "{}",
+        rest.text
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.dead_letter WHERE status = 'parked'")
+            .await,
+        1,
+        "the letter parked after the first request is left"
+    );
     host.shutdown().await;
 }
 

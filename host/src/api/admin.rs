@@ -74,10 +74,12 @@ pub async fn dlq_discard(State(state): State<Arc<AppState>>, Path(id): Path<i64>
 #[derive(Deserialize)]
 pub struct DiscardQuery {
     plugin: Option<String>,
+    through: Option<i64>,
 }
 
-/// `POST /v1/dlq/discard?plugin=P`: up to [`dlq::DISCARD_BATCH`] of the plugin's parked dead
-/// letters discarded, oldest first, in one transaction; `more` tells the caller to ask again.
+/// `POST /v1/dlq/discard?plugin=P[&through=ID]`: up to [`dlq::DISCARD_BATCH`] of the plugin's
+/// parked dead letters discarded, oldest first, in one transaction: `{discarded, through,
+/// more}`; with `more`, the caller asks again with the `through` it was given.
 pub async fn dlq_discard_parked(State(state): State<Arc<AppState>>, Query(q): Query<DiscardQuery>) -> Response {
     let Some(plugin) = q.plugin.filter(|p| !p.is_empty()) else {
         return error_response(
@@ -86,10 +88,8 @@ pub async fn dlq_discard_parked(State(state): State<Arc<AppState>>, Query(q): Qu
             "name the plugin whose parked events to discard: ?plugin=",
         );
     };
-    match dlq::discard_parked(&state.admin_pool, &plugin).await {
-        Ok(n) => {
-            Json(json!({ "plugin": plugin, "discarded": n, "more": n as i64 >= dlq::DISCARD_BATCH })).into_response()
-        }
+    match dlq::discard_parked(&state.admin_pool, &plugin, q.through).await {
+        Ok(done) => Json(done).into_response(),
         Err(e) => database_error(e.into()),
     }
 }

@@ -263,28 +263,37 @@ fn list_query((flag, on): (&'static str, bool), plugin: Option<String>) -> Vec<(
     query
 }
 
-/// Discards every parked event of `plugin`, a batch to a transaction, until a batch comes
-/// back short; the number discarded.
+/// Discards the parked events of `plugin` up to the highest parked when it begins, a batch
+/// to a transaction, until a batch comes back short; the number discarded. On an error, what
+/// the batches before it discarded is said first: they are committed.
 async fn discard_parked(target: &Target, plugin: &str) -> Result<u64> {
-    let mut total = 0;
+    let (mut total, mut through) = (0, None);
     loop {
-        let (discarded, more) = match target {
-            Target::Database(pool) => {
-                let n = crate::inbox::dlq::discard_parked(pool, plugin).await?;
-                (n, n as i64 >= crate::inbox::dlq::DISCARD_BATCH)
-            }
-            Target::Host(admin) => {
-                let query = url::form_urlencoded::Serializer::new(String::new())
-                    .append_pair("plugin", plugin)
-                    .finish();
-                let answer = admin.post(&format!("/v1/dlq/discard?{query}"), &()).await?;
-                let discarded = answer["discarded"].as_u64().context("the host's answer has no count")?;
-                (discarded, answer["more"].as_bool().unwrap_or(false))
-            }
+        let batch = discard_batch(target, plugin, through).await;
+        let done = match batch {
+            Ok(done) => done,
+            Err(e) if total > 0 => return Err(e.context(format!("{total} parked events were discarded before"))),
+            Err(e) => return Err(e),
         };
-        total += discarded;
-        if !more {
+        total += done.discarded;
+        through = Some(done.through);
+        if !done.more {
             return Ok(total);
+        }
+    }
+}
+
+async fn discard_batch(target: &Target, plugin: &str, through: Option<i64>) -> Result<crate::inbox::dlq::Discarded> {
+    match target {
+        Target::Database(pool) => Ok(crate::inbox::dlq::discard_parked(pool, plugin, through).await?),
+        Target::Host(admin) => {
+            let mut query = url::form_urlencoded::Serializer::new(String::new());
+            query.append_pair("plugin", plugin);
+            if let Some(through) = through {
+                query.append_pair("through", &through.to_string());
+            }
+            let answer = admin.post(&format!("/v1/dlq/discard?{}", query.finish()), &()).await?;
+            serde_json::from_value(answer).context("reading the host's answer")
         }
     }
 }

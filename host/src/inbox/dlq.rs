@@ -136,18 +136,32 @@ async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
 /// The most dead letters [`discard_parked`] resolves in one transaction.
 pub const DISCARD_BATCH: i64 = 1000;
 
-/// Discards up to [`DISCARD_BATCH`] of `consumer`'s parked dead letters, oldest first, in one
-/// transaction, as [`discard`] does each, and tells how many: fewer than the batch means
-/// none is left (but those parked meanwhile). For a flood of refused events, which an
-/// operator would otherwise discard one id at a time. Letters another session is resolving
-/// are skipped.
-pub async fn discard_parked(pool: &PgPool, consumer: &str) -> Result<u64, sqlx::Error> {
+/// What one [`discard_parked`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Discarded {
+    pub discarded: u64,
+    /// The highest dead-letter id it could discard: the one it was given, or the plugin's
+    /// highest parked id when it began, so that the next batch does not reach letters parked
+    /// after the first (0 when none was parked).
+    pub through: i64,
+    /// A whole batch was discarded: there may be more up to `through`.
+    pub more: bool,
+}
+
+/// Discards up to [`DISCARD_BATCH`] of `consumer`'s parked dead letters, oldest first and up
+/// to `through` (without it, the highest parked now), in one transaction, each as [`discard`]
+/// does. For a flood of refused events, which an operator would otherwise discard one id at a
+/// time. Letters another session is resolving are skipped.
+pub async fn discard_parked(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let discarded: i64 = sqlx::query_scalar(
-        "WITH picked AS ( \
-             SELECT d.id FROM obx.dead_letter d \
-             WHERE d.consumer = $1 AND d.status = 'parked' \
-             ORDER BY d.id LIMIT $2 FOR UPDATE SKIP LOCKED \
+    let (discarded, through): (i64, i64) = sqlx::query_as(
+        "WITH bound AS ( \
+             SELECT coalesce($3, (SELECT max(d.id) FROM obx.dead_letter d \
+                                  WHERE d.consumer = $1 AND d.status = 'parked'), 0) AS through \
+         ), picked AS ( \
+             SELECT d.id FROM obx.dead_letter d, bound b \
+             WHERE d.consumer = $1 AND d.status = 'parked' AND d.id <= b.through \
+             ORDER BY d.id LIMIT $2 FOR UPDATE OF d SKIP LOCKED \
          ), resolved AS ( \
              UPDATE obx.dead_letter d SET status = 'discarded', resolved_at = now() \
              FROM picked p WHERE d.id = p.id \
@@ -159,18 +173,23 @@ pub async fn discard_parked(pool: &PgPool, consumer: &str) -> Result<u64, sqlx::
              INSERT INTO obx.processed_event (consumer, event_id) \
              SELECT r.consumer, r.event_id FROM resolved r ON CONFLICT DO NOTHING \
          ) \
-         SELECT count(*) FROM resolved",
+         SELECT (SELECT count(*) FROM resolved), (SELECT b.through FROM bound b)",
     )
     .bind(consumer)
     .bind(DISCARD_BATCH)
+    .bind(through)
     .fetch_one(&mut *tx)
     .await?;
     crate::dispatch::commit_sent();
     tx.commit().await?;
     if discarded > 0 {
-        tracing::info!(%consumer, discarded, "parked dead letters discarded");
+        tracing::info!(%consumer, discarded, through, "parked dead letters discarded");
     }
-    Ok(discarded as u64)
+    Ok(Discarded {
+        discarded: discarded as u64,
+        through,
+        more: discarded >= DISCARD_BATCH,
+    })
 }
 
 /// A page of quarantined messages, newest first. The cursor is the last id listed.
