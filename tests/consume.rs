@@ -1537,66 +1537,7 @@ async fn send_many(
 /// events with no key, while the parked key's wait.
 #[tokio::test]
 async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.consumer.max_attempts = 1;
-        c.limits.statement_timeout = Duration::from_millis(300);
-        c.limits.lock_timeout = Duration::from_millis(100);
-    })
-    .await;
-    let p = producer(&host.host.brokers.bootstrap);
-    let topic = host.topic(INBOX);
-    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 1, "poison": true })).await;
-    eventually(Duration::from_secs(20), "key A parked", || async {
-        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
-    })
-    .await;
-    // Stored behind it as the consumer stores events.
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g + 1), 'Thing', 'A' \
-         FROM obx.inbox_event e, generate_series(1, 100000) g WHERE e.parked",
-    )
-    .execute(&host.db)
-    .await
-    .unwrap();
-    // And two events with no key, each a key of its own.
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing' \
-         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.parked",
-    )
-    .execute(&host.db)
-    .await
-    .unwrap();
-    let b = send_many(&p, &topic, "B", 1..4).await;
-    eventually(
-        Duration::from_secs(30),
-        "key B and the events with no key flow",
-        || async {
-            let mut all = host
-                .count("SELECT count(*) FROM testbed.effects WHERE key IS NULL")
-                .await
-                == 2;
-            for id in &b {
-                all &= effects(&host, *id).await == 1;
-            }
-            all
-        },
-    )
-    .await;
-    // Key B in order (the events with no key are independent of each other).
-    let b_disorder = host
-        .count(
-            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (ORDER BY at) AS prev \
-             FROM testbed.effects WHERE key = 'B') t WHERE prev > seq",
-        )
-        .await;
-    assert_eq!(b_disorder, 0);
-    assert_eq!(
-        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await,
-        0
-    );
-    host.shutdown().await;
+    parked_flood("NULL", 0, 100_000).await;
 }
 
 /// A flood of parked events does not hold up its plugin. Whoever can write to a subscribed
@@ -1608,7 +1549,7 @@ async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
 /// key of its own) and the statement timeout is 300 ms; the events behind them take effect.
 #[tokio::test]
 async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
-    parked_flood("CASE WHEN g % 2 = 0 THEN 'flood-' || g END", 0).await;
+    parked_flood("CASE WHEN g % 2 = 0 THEN 'flood-' || g END", 200_000, 0).await;
 }
 
 /// The same flood, parked events with no key only, behind a parked key's backlog of 300
@@ -1618,13 +1559,14 @@ async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
 /// millions, so this test shows the fallback's results, not that cost.)
 #[tokio::test]
 async fn a_flood_of_parked_events_with_no_key_does_not_hold_up_a_claims_fallback() {
-    parked_flood("NULL", 300).await;
+    parked_flood("NULL", 200_000, 300).await;
 }
 
-/// 200,000 events parked (each with the key `flood_key` gives it) behind key A's dead letter,
-/// and `backlog` events of key A waiting behind that; then two events with no key and three
-/// of key B, which must take effect within the plugin's 300 ms statement timeout.
-async fn parked_flood(flood_key: &str, backlog: i64) {
+/// Key A's dead letter with `backlog` events of key A waiting behind it, then `flood` events
+/// parked (each with the key `flood_key` gives it), then two events with no key and three of
+/// key B: those five take effect, B's in order, with the plugin's statement timeout at 300 ms,
+/// and key A's wait.
+async fn parked_flood(flood_key: &str, flood: i64, backlog: i64) {
     let host = spawn_host_with(&["testbed"], |c| {
         c.consumer.max_attempts = 1;
         c.limits.statement_timeout = Duration::from_millis(300);
@@ -1640,14 +1582,15 @@ async fn parked_flood(flood_key: &str, backlog: i64) {
     .await;
     // Key A's backlog first, then the flood, parked as the consumer parks a refused event, at
     // its first attempt.
-    for (events, key, parked) in [(backlog, "'A'", false), (200_000, flood_key, true)] {
+    for (events, key, parked) in [(backlog, "'A'", false), (flood, flood_key, true)] {
         sqlx::query(&format!(
             "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
                                           attempts, last_error, parked) \
              SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', \
-                    {key}, {attempts}, 'refused', {parked} \
+                    {key}, {attempts}, {error}, {parked} \
              FROM obx.inbox_event e, generate_series(1, {events}) g WHERE e.parked AND e.partition_key = 'A'",
             attempts = i32::from(parked),
+            error = if parked { "'refused'" } else { "NULL" },
         ))
         .execute(&host.db)
         .await
@@ -1677,9 +1620,17 @@ async fn parked_flood(flood_key: &str, backlog: i64) {
         },
     )
     .await;
+    // Key B in order (the events with no key are independent of each other).
+    let b_disorder = host
+        .count(
+            "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (ORDER BY at) AS prev \
+             FROM testbed.effects WHERE key = 'B') t WHERE prev > seq",
+        )
+        .await;
+    assert_eq!(b_disorder, 0);
     assert_eq!(
         host.count("SELECT count(*) FROM obx.inbox_event WHERE parked").await,
-        200_001,
+        flood + 1,
         "the parked events stay parked"
     );
     assert_eq!(
