@@ -5,8 +5,8 @@
 //!
 //! * `GET /v1/dlq?plugin=&all=` — dead letters, newest first;
 //! * `POST /v1/dlq/{id}/retry`, `POST /v1/dlq/{id}/discard`;
-//! * `POST /v1/dlq/discard?plugin=` — a thousand of the plugin's parked events discarded at
-//!   a time: `{"discarded": n, "more": bool}`;
+//! * `POST /v1/dlq/discard?plugin=&through=` — a thousand of the plugin's parked events
+//!   discarded at a time: `{"discarded": n, "through": id, "more": bool}`;
 //! * `GET /v1/quarantine?plugin=` — quarantined messages;
 //! * `POST /v1/outbox/replay` with a [`ReplayFilter`] as JSON: `{"replayed": n}`;
 //! * `GET /v1/catalog?format=json|asyncapi` — the event catalogue of the loaded plugins;
