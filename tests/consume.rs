@@ -1537,7 +1537,11 @@ async fn send_many(
 /// events with no key, while the parked key's wait.
 #[tokio::test]
 async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
-    parked_flood("NULL", 0, 100_000).await;
+    parked_flood(Flood {
+        backlog: 100_000,
+        ..Flood::default()
+    })
+    .await;
 }
 
 /// A flood of parked events does not hold up its plugin. Whoever can write to a subscribed
@@ -1549,24 +1553,265 @@ async fn a_parked_keys_backlog_does_not_hold_up_its_plugins_other_keys() {
 /// key of its own) and the statement timeout is 300 ms; the events behind them take effect.
 #[tokio::test]
 async fn a_flood_of_parked_events_does_not_hold_up_its_plugin() {
-    parked_flood("CASE WHEN g % 2 = 0 THEN 'flood-' || g END", 200_000, 0).await;
+    parked_flood(Flood {
+        parked: 200_000,
+        key: "CASE WHEN g % 2 = 0 THEN 'flood-' || g END",
+        ..Flood::default()
+    })
+    .await;
 }
 
-/// The same flood, parked events with no key only, behind a parked key's backlog of 300
-/// events: the walk's first 256 cannot run, so each claim falls back to the keys' heads,
-/// and finds the events with no key among those that are not parked. (It read the parked
-/// ones too, one by one: 32 ms a claim for these 200,000, 0.6 ms now; a timeout would take
-/// millions, so this test shows the fallback's results, not that cost.)
+/// The same flood, parked events with no key only, behind a key in backoff with 300 events:
+/// the walk's first 256 cannot run, so each claim falls back to the keys' heads, and finds
+/// the events with no key among those that are not parked. (It read the parked ones too,
+/// one by one: 32 ms a claim for these 200,000, 0.6 ms now; a timeout would take millions,
+/// so this test shows the fallback's results, not that cost.)
 #[tokio::test]
 async fn a_flood_of_parked_events_with_no_key_does_not_hold_up_a_claims_fallback() {
-    parked_flood("NULL", 200_000, 300).await;
+    parked_flood(Flood {
+        parked: 200_000,
+        stalled: 300,
+        ..Flood::default()
+    })
+    .await;
 }
 
-/// Key A's dead letter with `backlog` events of key A waiting behind it, then `flood` events
-/// parked (each with the key `flood_key` gives it), then two events with no key and three of
-/// key B: those five take effect, B's in order, with the plugin's statement timeout at 300 ms,
-/// and key A's wait.
-async fn parked_flood(flood_key: &str, flood: i64, backlog: i64) {
+/// A flood of parked keys, each with an event waiting behind its dead letter, does not hold
+/// up its plugin. The events behind were in the walk: its first 256 could not run, every
+/// claim fell back to the keys' heads, and the fallback made two index descents for each of
+/// the 100,000 parked keys, about a second, past the 300 ms statement timeout. Now an event
+/// behind a dead letter is held, out of the walk, and its key is not visited.
+#[tokio::test]
+async fn a_flood_of_parked_keys_with_backlogs_does_not_hold_up_its_plugin() {
+    parked_flood(Flood {
+        parked: 100_000,
+        key: "'flood-' || g",
+        followed: true,
+        ..Flood::default()
+    })
+    .await;
+}
+
+/// A flood of parked keys does not hold up a claim's fallback: behind a key in backoff with
+/// 300 events, each claim falls back to the keys' heads, and visited each of the 100,000
+/// parked keys; now only the keys with an event that can run.
+#[tokio::test]
+async fn a_flood_of_parked_keys_does_not_hold_up_a_claims_fallback() {
+    parked_flood(Flood {
+        parked: 100_000,
+        key: "'flood-' || g",
+        stalled: 300,
+        ..Flood::default()
+    })
+    .await;
+}
+
+/// An event stored while its key's dead letter is released is held only as long as the
+/// letter is parked, whichever of the two commits first. The store reads the parked row FOR
+/// SHARE (`obx.inbox_event_held`, as the consumer stores an event): a release that comes second waits for the store, then frees the new event with the
+/// others; a store that comes second waits for the release, then finds the letter no longer
+/// parked. Held for ever, the event would never run: a claim does not read held events.
+#[tokio::test]
+async fn an_event_stored_while_its_dead_letter_is_released_is_not_left_held() {
+    let host = spawn_host(&[]).await;
+    let store = |n: i64| {
+        format!(
+            "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
+             VALUES ('ghost', gen_random_uuid(), 't', '{{\"n\": {n}}}', 'Thing', 'K', \
+                     obx.inbox_event_held('ghost', 't', 'K'))"
+        )
+    };
+    let park = |parked: bool| {
+        format!("UPDATE obx.inbox_event SET parked = {parked} WHERE consumer = 'ghost' AND payload->>'n' = '0'")
+    };
+    let held = || host.count("SELECT count(*) FROM obx.inbox_event WHERE held");
+    let waiting = || async {
+        eventually(Duration::from_secs(10), "a session waits for a lock", || async {
+            host.count(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+                == 1
+        })
+        .await
+    };
+    sqlx::query(&store(0)).execute(&host.db).await.unwrap();
+    sqlx::query(&park(true)).execute(&host.db).await.unwrap();
+
+    // The store first: the release waits for it, and frees the stored event.
+    let mut first = host.db.begin().await.unwrap();
+    sqlx::query(&store(1)).execute(&mut *first).await.unwrap();
+    let release = tokio::spawn({
+        let db = host.db.clone();
+        async move { sqlx::query(&park(false)).execute(&db).await.unwrap() }
+    });
+    waiting().await;
+    first.commit().await.unwrap();
+    release.await.unwrap();
+    assert_eq!(held().await, 0, "the release frees an event stored before it");
+
+    // Parked again, its event is held again; the release first: the store waits for it, and
+    // the event it stores is not held.
+    sqlx::query(&park(true)).execute(&host.db).await.unwrap();
+    assert_eq!(held().await, 1, "parking holds the key's later events");
+    let mut first = host.db.begin().await.unwrap();
+    sqlx::query(&park(false)).execute(&mut *first).await.unwrap();
+    let stored = tokio::spawn({
+        let db = host.db.clone();
+        let sql = store(2);
+        async move { sqlx::query(&sql).execute(&db).await.unwrap() }
+    });
+    waiting().await;
+    first.commit().await.unwrap();
+    stored.await.unwrap();
+    assert_eq!(held().await, 0, "an event stored behind a released letter is not held");
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE consumer = 'ghost'")
+            .await,
+        3
+    );
+    host.shutdown().await;
+}
+
+/// Two dead letters of one key released at the same time do not leave the key's events
+/// held. Each release, seeing the other's letter still parked, kept them held; now a key's
+/// releases are taken one at a time, and the second sees what the first did.
+#[tokio::test]
+async fn two_dead_letters_of_one_key_released_together_leave_nothing_held() {
+    let host = spawn_host(&[]).await;
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, parked) \
+         SELECT 'ghost', gen_random_uuid(), 't', jsonb_build_object('n', n), 'Thing', 'K', n < 2 \
+         FROM generate_series(0, 2) n ORDER BY n",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE obx.inbox_event SET held = obx.inbox_event_held(consumer, topic, partition_key) WHERE NOT parked",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let held = || host.count("SELECT count(*) FROM obx.inbox_event WHERE held");
+    assert_eq!(held().await, 1);
+    let discard = |n: i64| {
+        format!(
+            "UPDATE obx.inbox_event SET parked = false, processed = true \
+             WHERE consumer = 'ghost' AND payload->>'n' = '{n}'"
+        )
+    };
+    let mut first = host.db.begin().await.unwrap();
+    sqlx::query(&discard(0)).execute(&mut *first).await.unwrap();
+    let second = tokio::spawn({
+        let db = host.db.clone();
+        let sql = discard(1);
+        async move { sqlx::query(&sql).execute(&db).await.unwrap() }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the second release waits for the first",
+        || async {
+            host.count(
+                "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    first.commit().await.unwrap();
+    second.await.unwrap();
+    assert_eq!(held().await, 0, "the key's last event is free");
+    host.shutdown().await;
+}
+
+/// Parking an event costs the same behind any backlog, and releasing it is one pass over
+/// its held events: the park holds the first 1,000 of the 20,000 events already behind it
+/// (those stored later are held as they come), and the release frees them. Freeing each
+/// held event looked for a parked one before it among all the others: 20,000 took two
+/// minutes, and a release by the API ran past its deadline, so the key could not be freed.
+/// Each here runs under a 5 s statement timeout.
+#[tokio::test]
+async fn a_key_with_a_long_backlog_is_parked_and_released_in_one_short_statement() {
+    let host = spawn_host(&[]).await;
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key) \
+         SELECT 'ghost', gen_random_uuid(), 't', jsonb_build_object('n', n), 'Thing', 'K' \
+         FROM generate_series(0, 20000) n ORDER BY n",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let park = |parked: bool| {
+        let db = host.db.clone();
+        async move {
+            let mut tx = db.begin().await.unwrap();
+            sqlx::query("SET LOCAL statement_timeout = '5s'")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            sqlx::query(&format!(
+                "UPDATE obx.inbox_event SET parked = {parked} WHERE consumer = 'ghost' AND payload->>'n' = '0'"
+            ))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        }
+    };
+    let held = || host.count("SELECT count(*) FROM obx.inbox_event WHERE held");
+    park(true).await;
+    assert_eq!(held().await, 1000);
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
+         SELECT 'ghost', gen_random_uuid(), 't', jsonb_build_object('n', n), 'Thing', 'K', \
+                obx.inbox_event_held('ghost', 't', 'K') \
+         FROM generate_series(20001, 40000) n ORDER BY n",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    assert_eq!(held().await, 21_000);
+    park(false).await;
+    assert_eq!(held().await, 0);
+    host.shutdown().await;
+}
+
+/// What [`parked_flood`] puts in the inbox before two events with no key and three of key B.
+struct Flood {
+    /// Events of key A, waiting behind its dead letter.
+    backlog: i64,
+    /// Events of key C, the first in backoff for an hour: a walk that meets them first
+    /// cannot run any of its first 256, and the claim falls back to the keys' heads.
+    stalled: i64,
+    /// Events parked as the consumer parks a refused event, at its first attempt.
+    parked: i64,
+    /// Each parked event's key, an SQL expression of its number `g`.
+    key: &'static str,
+    /// Each parked event with a key has an event waiting behind it.
+    followed: bool,
+}
+
+impl Default for Flood {
+    fn default() -> Self {
+        Flood {
+            backlog: 0,
+            stalled: 0,
+            parked: 0,
+            key: "NULL",
+            followed: false,
+        }
+    }
+}
+
+/// Key A's dead letter with two events behind it, then what `flood` says, then two events
+/// with no key and three of key B: those five take effect, B's in order, with the plugin's
+/// statement timeout at 300 ms; key A's and key C's wait, and the events behind a dead letter
+/// are held.
+async fn parked_flood(flood: Flood) {
     let host = spawn_host_with(&["testbed"], |c| {
         c.consumer.max_attempts = 1;
         c.limits.statement_timeout = Duration::from_millis(300);
@@ -1580,30 +1825,38 @@ async fn parked_flood(flood_key: &str, flood: i64, backlog: i64) {
         host.count("SELECT count(*) FROM obx.dead_letter").await == 1
     })
     .await;
-    // Key A's backlog first, then the flood, parked as the consumer parks a refused event, at
-    // its first attempt.
-    for (events, key, parked) in [(backlog, "'A'", false), (flood, flood_key, true)] {
+    // Two more of key A, stored by the consumer behind its dead letter.
+    send_many(&p, &topic, "A", 2..4).await;
+    eventually(Duration::from_secs(20), "key A's events stored", || async {
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE partition_key = 'A'")
+            .await
+            == 3
+    })
+    .await;
+    let followers = if flood.followed { flood.parked } else { 0 };
+    // Rows as the consumer stores them (held behind a parked event of their key), on the
+    // topic of key A's dead letter.
+    let rows = [
+        (flood.backlog, "'A'", "false", "NULL"),
+        (flood.stalled.min(1), "'C'", "false", "now() + interval '1 hour'"),
+        (flood.stalled - flood.stalled.min(1), "'C'", "false", "NULL"),
+        (flood.parked, flood.key, "true", "NULL"),
+        (followers, flood.key, "false", "NULL"),
+        (2, "NULL", "false", "NULL"),
+    ];
+    for (events, key, parked, next_attempt_at) in rows {
         sqlx::query(&format!(
             "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, \
-                                          attempts, last_error, parked) \
+                                          attempts, last_error, parked, next_attempt_at, held) \
              SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', \
-                    {key}, {attempts}, {error}, {parked} \
+                    {key}, {parked}::int, CASE WHEN {parked} THEN 'refused' END, {parked}, {next_attempt_at}, \
+                    NOT {parked} AND obx.inbox_event_held(e.consumer, e.topic, {key}) \
              FROM obx.inbox_event e, generate_series(1, {events}) g WHERE e.parked AND e.partition_key = 'A'",
-            attempts = i32::from(parked),
-            error = if parked { "'refused'" } else { "NULL" },
         ))
         .execute(&host.db)
         .await
         .unwrap();
     }
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing' \
-         FROM obx.inbox_event e, generate_series(1, 2) g WHERE e.parked AND e.partition_key = 'A'",
-    )
-    .execute(&host.db)
-    .await
-    .unwrap();
     let b = send_many(&p, &topic, "B", 1..4).await;
     eventually(
         Duration::from_secs(30),
@@ -1630,11 +1883,17 @@ async fn parked_flood(flood_key: &str, flood: i64, backlog: i64) {
     assert_eq!(b_disorder, 0);
     assert_eq!(
         host.count("SELECT count(*) FROM obx.inbox_event WHERE parked").await,
-        flood + 1,
+        flood.parked + 1,
         "the parked events stay parked"
     );
     assert_eq!(
-        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await,
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE held").await,
+        flood.backlog + followers + 2,
+        "the events behind a dead letter are held, and only those"
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM testbed.effects WHERE key IN ('A', 'C')")
+            .await,
         0
     );
     host.shutdown().await;

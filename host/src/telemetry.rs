@@ -162,19 +162,10 @@ async fn record_database_gauges(pool: &sqlx::PgPool) -> sqlx::Result<()> {
     metrics::gauge!("obx_outbox_oldest_unpublished_seconds").set(outbox.oldest_unpublished_seconds.unwrap_or(0.0));
     metrics::gauge!("obx_outbox_set_aside").set(outbox.rows_set_aside as f64);
     metrics::gauge!("obx_outbox_delayed").set(outbox.delayed as f64);
-    let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
-        "SELECT p.name, \
-                (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
-                (SELECT count(*) FROM obx.dead_letter d WHERE d.consumer = p.name AND d.status = 'parked'), \
-                (SELECT count(*) FROM obx.quarantine q WHERE q.consumer = p.name) \
-         FROM obx.plugin p",
-    )
-    .fetch_all(pool)
-    .await?;
-    for (plugin, inbox, dead, quarantined) in per_plugin {
-        metrics::gauge!("obx_inbox_backlog", "plugin" => plugin.clone()).set(inbox as f64);
-        metrics::gauge!("obx_dead_letters_parked", "plugin" => plugin.clone()).set(dead as f64);
-        metrics::gauge!("obx_quarantined_messages", "plugin" => plugin).set(quarantined as f64);
+    for c in crate::inbox::counts(pool).await? {
+        metrics::gauge!("obx_inbox_backlog", "plugin" => c.plugin.clone()).set(c.inbox_backlog as f64);
+        metrics::gauge!("obx_dead_letters_parked", "plugin" => c.plugin.clone()).set(c.dead_letters as f64);
+        metrics::gauge!("obx_quarantined_messages", "plugin" => c.plugin).set(c.quarantined as f64);
     }
     for t in crate::timers::counts(pool).await? {
         metrics::gauge!("obx_timers_pending", "plugin" => t.plugin.clone()).set(t.pending as f64);

@@ -148,15 +148,7 @@ async fn plugins(State(state): State<Arc<AppState>>) -> Response {
 async fn status(State(state): State<Arc<AppState>>) -> Response {
     let db = async {
         let outbox = crate::outbox::backlog(&state.admin_pool).await?;
-        let per_plugin: Vec<(String, i64, i64, i64)> = sqlx::query_as(
-            "SELECT p.name, \
-                    (SELECT count(*) FROM obx.inbox_event i WHERE i.consumer = p.name AND NOT i.processed), \
-                    (SELECT count(*) FROM obx.dead_letter d WHERE d.consumer = p.name AND d.status = 'parked'), \
-                    (SELECT count(*) FROM obx.quarantine q WHERE q.consumer = p.name) \
-             FROM obx.plugin p ORDER BY p.name",
-        )
-        .fetch_all(&state.admin_pool)
-        .await?;
+        let per_plugin = crate::inbox::counts(&state.admin_pool).await?;
         let timers = crate::timers::counts(&state.admin_pool).await?;
         Ok::<_, sqlx::Error>((outbox, per_plugin, timers))
     };
@@ -170,13 +162,13 @@ async fn status(State(state): State<Arc<AppState>>) -> Response {
     let lag = state.lag.per_plugin();
     let consumption: Vec<_> = per_plugin
         .into_iter()
-        .map(|(plugin, inbox, dead, quarantined)| {
+        .map(|c| {
             json!({
-                "plugin": plugin,
-                "lag": lag.get(&plugin),
-                "inbox_backlog": inbox,
-                "dead_letters": dead,
-                "quarantined": quarantined,
+                "plugin": c.plugin,
+                "lag": lag.get(&c.plugin),
+                "inbox_backlog": c.inbox_backlog,
+                "dead_letters": c.dead_letters,
+                "quarantined": c.quarantined,
             })
         })
         .collect();

@@ -1046,12 +1046,22 @@ impl Tries {
     }
 }
 
+/// The `held` of an event stored by consumer `$1`, with topic `e.topic` and key
+/// `e.partition_key`: its key has a parked event (`obx.inbox_event_held`, which reads that
+/// row `FOR SHARE`, so that a release running at the same time does not leave the event held
+/// for ever), asked only once the plugin is seen to have a parked event at all.
+const HELD: &str = "(SELECT EXISTS (SELECT 1 FROM obx.inbox_event p \
+                                   WHERE p.consumer = $1 AND p.parked AND NOT p.processed)) \
+                    AND obx.inbox_event_held($1, e.topic, e.partition_key)";
+
 /// Stores an event in the inbox, once: a redelivery finds it there.
 pub(crate) async fn store_in_inbox(conn: &mut PgConnection, consumer: &str, e: &Incoming) -> sqlx::Result<()> {
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers) \
-         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7) ON CONFLICT (consumer, event_id) DO NOTHING",
-    )
+    sqlx::query(&format!(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers, held) \
+         SELECT $1, $2, e.topic, $4::jsonb, $5, e.partition_key, $7, {HELD} \
+         FROM (VALUES ($3::text, $6::text)) AS e(topic, partition_key) \
+         ON CONFLICT (consumer, event_id) DO NOTHING",
+    ))
     .bind(consumer)
     .bind(e.event_id)
     .bind(&e.topic)
@@ -1069,14 +1079,14 @@ async fn store_all_in_inbox(conn: &mut PgConnection, consumer: &str, events: &[&
     if events.is_empty() {
         return Ok(());
     }
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers) \
-         SELECT $1, e.event_id, e.topic, e.payload::jsonb, e.event_type, e.partition_key, e.headers \
+    sqlx::query(&format!(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers, held) \
+         SELECT $1, e.event_id, e.topic, e.payload::jsonb, e.event_type, e.partition_key, e.headers, {HELD} \
          FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::jsonb[]) WITH ORDINALITY \
               AS e(event_id, topic, payload, event_type, partition_key, headers, n) \
          ORDER BY e.n \
          ON CONFLICT (consumer, event_id) DO NOTHING",
-    )
+    ))
     .bind(consumer)
     .bind(events.iter().map(|e| e.event_id).collect::<Vec<_>>())
     .bind(events.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())

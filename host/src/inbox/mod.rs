@@ -10,6 +10,7 @@
 //! * `handling` — the one path from a taken event to its handler's commit, both modes: a
 //!   savepoint per event, the first failure ends the run, outbox rows just before the commit.
 //! * [`dlq`] — the dead-letter table: list, retry, discard.
+//! * [`counts`] — what waits in each plugin's consumption, for `/v1/status` and the gauges.
 //! * [`ConsumerLag`] — the lag librdkafka last reported per partition, for `/v1/status`.
 //!
 //! Invariants:
@@ -23,6 +24,7 @@
 //!   and skipped; it never stops its partition.
 
 pub mod consumer;
+mod counts;
 pub mod dlq;
 pub(crate) mod handling;
 mod lag;
@@ -32,6 +34,7 @@ pub mod processor;
 mod stuck;
 pub mod supervisor;
 
+pub use self::counts::{counts, Counts};
 pub use self::lag::ConsumerLag;
 
 use std::collections::BTreeMap;
