@@ -65,8 +65,11 @@ pub async fn list(
                 d.status, d.parked_at, d.resolved_at, \
                 (SELECT count(*) FROM obx.inbox_event w \
                  WHERE w.consumer = d.consumer AND w.topic = d.topic AND w.partition_key = d.partition_key \
-                   AND NOT w.processed \
-                   AND w.event_id <> d.event_id) AS waiting \
+                   AND NOT w.processed AND NOT w.parked AND NOT w.held) \
+                + (SELECT count(*) FROM obx.inbox_event w \
+                   WHERE w.consumer = d.consumer AND w.topic = d.topic AND w.partition_key = d.partition_key \
+                     AND NOT w.processed AND (w.parked OR w.held) \
+                     AND w.event_id <> d.event_id) AS waiting \
          FROM obx.dead_letter d \
          WHERE ($1::text IS NULL OR d.consumer = $1) AND ($2 OR d.status = 'parked') \
            AND ($3::bigint IS NULL OR d.id < $3) \
@@ -83,54 +86,81 @@ pub async fn list(
 
 /// Sends a parked event back to the inbox processors, with its attempts reset.
 pub async fn retry(pool: &PgPool, id: i64) -> Result<(), DlqError> {
-    resolve(pool, id, "retried").await
-}
-
-/// Marks a parked event processed without running it, releasing its key; delivered again,
-/// it is a duplicate.
-pub async fn discard(pool: &PgPool, id: i64) -> Result<(), DlqError> {
-    resolve(pool, id, "discarded").await
-}
-
-async fn resolve(pool: &PgPool, id: i64, status: &str) -> Result<(), DlqError> {
     let mut tx = pool.begin().await?;
     let target: Option<(String, Uuid)> = sqlx::query_as(
-        "UPDATE obx.dead_letter SET status = $2, resolved_at = now() \
+        "UPDATE obx.dead_letter SET status = 'retried', resolved_at = now() \
          WHERE id = $1 AND status = 'parked' RETURNING consumer, event_id",
     )
     .bind(id)
-    .bind(status)
     .fetch_optional(&mut *tx)
     .await?;
     let Some((consumer, event_id)) = target else {
         return Err(DlqError::NotParked(id));
     };
-    let update = if status == "retried" {
+    sqlx::query(
         "UPDATE obx.inbox_event SET parked = false, attempts = 0, next_attempt_at = NULL, contended_since = NULL \
-         WHERE consumer = $1 AND event_id = $2"
-    } else {
-        "UPDATE obx.inbox_event SET parked = false, processed = true, processed_at = now() \
-         WHERE consumer = $1 AND event_id = $2"
+         WHERE consumer = $1 AND event_id = $2",
+    )
+    .bind(&consumer)
+    .bind(event_id)
+    .execute(&mut *tx)
+    .await?;
+    resolved(tx, id, &consumer, event_id, "retried").await
+}
+
+/// Marks a parked event processed without running it, releasing its key; delivered again,
+/// it is a duplicate.
+pub async fn discard(pool: &PgPool, id: i64) -> Result<(), DlqError> {
+    let mut tx = pool.begin().await?;
+    // Waits for a session resolving the same letter, then finds it parked or not.
+    let target: Option<(String, Uuid)> = sqlx::query_as(&discarding(
+        "SELECT d.id FROM obx.dead_letter d WHERE d.id = $1 AND d.status = 'parked' FOR UPDATE",
+        "SELECT r.consumer, r.event_id FROM resolved r",
+    ))
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((consumer, event_id)) = target else {
+        return Err(DlqError::NotParked(id));
     };
-    sqlx::query(update)
-        .bind(&consumer)
-        .bind(event_id)
-        .execute(&mut *tx)
-        .await?;
-    if status == "discarded" {
-        // Processed, as far as deduplication goes: delivered again (a dedup subscription's
-        // redelivery, an outbox replay), it is a duplicate, not an event to run.
-        sqlx::query("INSERT INTO obx.processed_event (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-            .bind(&consumer)
-            .bind(event_id)
-            .execute(&mut *tx)
-            .await?;
-    }
+    resolved(tx, id, &consumer, event_id, "discarded").await
+}
+
+/// Commits a resolved letter's transaction, and says so in the log.
+async fn resolved(
+    tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    id: i64,
+    consumer: &str,
+    event_id: Uuid,
+    status: &str,
+) -> Result<(), DlqError> {
     // Cut off by the request's deadline from here on, it would be answered as not done.
     crate::dispatch::commit_sent();
     tx.commit().await?;
     tracing::info!(id, %consumer, %event_id, status, "dead letter resolved");
     Ok(())
+}
+
+/// The one statement that discards dead letters, by id or a plugin's together: the letters
+/// `picked` selects (their `id`) are marked discarded, their events processed and no longer
+/// parked, and recorded in `processed_event`, so that delivered again (a dedup
+/// subscription's redelivery, an outbox replay) each is a duplicate, not an event to run.
+/// `answer` is the statement's last SELECT, over `resolved (consumer, event_id)`.
+fn discarding(picked: &str, answer: &str) -> String {
+    format!(
+        "WITH picked AS ({picked}), resolved AS ( \
+             UPDATE obx.dead_letter d SET status = 'discarded', resolved_at = now() \
+             FROM picked p WHERE d.id = p.id \
+             RETURNING d.consumer, d.event_id \
+         ), released AS ( \
+             UPDATE obx.inbox_event e SET parked = false, processed = true, processed_at = now() \
+             FROM resolved r WHERE e.consumer = r.consumer AND e.event_id = r.event_id \
+         ), recorded AS ( \
+             INSERT INTO obx.processed_event (consumer, event_id) \
+             SELECT r.consumer, r.event_id FROM resolved r ON CONFLICT DO NOTHING \
+         ) \
+         {answer}"
+    )
 }
 
 /// The most dead letters [`discard_parked`] resolves in one transaction.
@@ -151,30 +181,34 @@ pub struct Discarded {
 /// Discards up to [`DISCARD_BATCH`] of `consumer`'s parked dead letters, oldest first and up
 /// to `through` (without it, the highest parked now), in one transaction, each as [`discard`]
 /// does. For a flood of refused events, which an operator would otherwise discard one id at a
-/// time. Letters another session is resolving are skipped.
+/// time. Letters another session is resolving are skipped. A batch that loses a race (a
+/// deadlock with a consumer storing events behind the same letters, which locks them in
+/// its own order) is tried again, up to three times.
 pub async fn discard_parked(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, sqlx::Error> {
+    let mut tries = 1;
+    loop {
+        match discard_batch(pool, consumer, through).await {
+            Err(e) if tries < 3 && crate::db::lost_a_race(&e) => {
+                tracing::debug!(%consumer, error = %e, "discarding parked dead letters again");
+                tries += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+async fn discard_batch(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let (discarded, through): (i64, i64) = sqlx::query_as(
-        "WITH bound AS ( \
-             SELECT coalesce($3, (SELECT max(d.id) FROM obx.dead_letter d \
-                                  WHERE d.consumer = $1 AND d.status = 'parked'), 0) AS through \
-         ), picked AS ( \
-             SELECT d.id FROM obx.dead_letter d, bound b \
-             WHERE d.consumer = $1 AND d.status = 'parked' AND d.id <= b.through \
-             ORDER BY d.id LIMIT $2 FOR UPDATE OF d SKIP LOCKED \
-         ), resolved AS ( \
-             UPDATE obx.dead_letter d SET status = 'discarded', resolved_at = now() \
-             FROM picked p WHERE d.id = p.id \
-             RETURNING d.consumer, d.event_id \
-         ), released AS ( \
-             UPDATE obx.inbox_event e SET parked = false, processed = true, processed_at = now() \
-             FROM resolved r WHERE e.consumer = r.consumer AND e.event_id = r.event_id \
-         ), recorded AS ( \
-             INSERT INTO obx.processed_event (consumer, event_id) \
-             SELECT r.consumer, r.event_id FROM resolved r ON CONFLICT DO NOTHING \
-         ) \
-         SELECT (SELECT count(*) FROM resolved), (SELECT b.through FROM bound b)",
-    )
+    let bound = "coalesce($3, (SELECT max(d.id) FROM obx.dead_letter d \
+                               WHERE d.consumer = $1 AND d.status = 'parked'), 0)";
+    let (discarded, through): (i64, i64) = sqlx::query_as(&discarding(
+        &format!(
+            "SELECT d.id FROM obx.dead_letter d \
+             WHERE d.consumer = $1 AND d.status = 'parked' AND d.id <= {bound} \
+             ORDER BY d.id LIMIT $2 FOR UPDATE OF d SKIP LOCKED"
+        ),
+        &format!("SELECT (SELECT count(*) FROM resolved), {bound}"),
+    ))
     .bind(consumer)
     .bind(DISCARD_BATCH)
     .bind(through)
