@@ -154,6 +154,15 @@ fn serve_runs_on_the_embedded_database_and_stops_on_sigterm() {
         run(&["dlq", "discard", "--parked", "orders"]).trim(),
         "orders: 0 parked events discarded"
     );
+    let typo = obx()
+        .args(["dlq", "discard", "--parked", "ordres", "--url", &base])
+        .output()
+        .unwrap();
+    assert!(
+        !typo.status.success() && String::from_utf8_lossy(&typo.stderr).contains("no plugin is named \"ordres\""),
+        "a name that is no plugin's is refused: {}",
+        String::from_utf8_lossy(&typo.stderr)
+    );
     assert_eq!(run(&["timers", "list", "--limit", "1"]).trim(), "no timers");
     let refused = obx()
         .args(["timers", "list", "--limit", "0", "--url", &base])

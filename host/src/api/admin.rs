@@ -90,15 +90,22 @@ pub async fn dlq_discard_parked(State(state): State<Arc<AppState>>, Query(q): Qu
     };
     match dlq::discard_parked(&state.admin_pool, &plugin, q.through).await {
         Ok(done) => Json(done).into_response(),
-        Err(e) => database_error(e.into()),
+        Err(e) => dlq_error(e),
     }
 }
 
 fn resolved(id: i64, status: &str, result: Result<(), DlqError>) -> Response {
     match result {
         Ok(()) => Json(json!({ "id": id, "status": status })).into_response(),
-        Err(e @ DlqError::NotParked(_)) => error_response(StatusCode::NOT_FOUND, "not_parked", &e.to_string()),
-        Err(DlqError::Database(e)) => database_error(e.into()),
+        Err(e) => dlq_error(e),
+    }
+}
+
+fn dlq_error(e: DlqError) -> Response {
+    match e {
+        DlqError::NotParked(_) => error_response(StatusCode::NOT_FOUND, "not_parked", &e.to_string()),
+        DlqError::UnknownPlugin(_) => error_response(StatusCode::NOT_FOUND, "unknown_plugin", &e.to_string()),
+        DlqError::Database(e) => database_error(e.into()),
     }
 }
 

@@ -46,6 +46,8 @@ pub struct Quarantined {
 pub enum DlqError {
     #[error("there is no parked dead letter with id {0}")]
     NotParked(i64),
+    #[error("no plugin is named {0:?}, and no dead letter is its")]
+    UnknownPlugin(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -183,18 +185,35 @@ pub struct Discarded {
 /// does. For a flood of refused events, which an operator would otherwise discard one id at a
 /// time. Letters another session is resolving are skipped. A batch that loses a race (a
 /// deadlock with a consumer storing events behind the same letters, which locks them in
-/// its own order) is tried again, up to three times.
-pub async fn discard_parked(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, sqlx::Error> {
+/// its own order) is tried again, up to three times. A name that is neither a plugin's nor
+/// any dead letter's is refused (a typo would otherwise look like a plugin with nothing
+/// parked); a plugin that was removed may still have letters to clear.
+pub async fn discard_parked(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, DlqError> {
     let mut tries = 1;
-    loop {
+    let done = loop {
         match discard_batch(pool, consumer, through).await {
             Err(e) if tries < 3 && crate::db::lost_a_race(&e) => {
                 tracing::debug!(%consumer, error = %e, "discarding parked dead letters again");
                 tries += 1;
             }
-            done => return done,
+            done => break done?,
         }
+    };
+    if done.discarded == 0 && !known_consumer(pool, consumer).await? {
+        return Err(DlqError::UnknownPlugin(consumer.to_owned()));
     }
+    Ok(done)
+}
+
+/// Whether `consumer` names a plugin the host has known, or any dead letter.
+async fn known_consumer(pool: &PgPool, consumer: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM obx.plugin p WHERE p.name = $1) \
+             OR EXISTS (SELECT 1 FROM obx.dead_letter d WHERE d.consumer = $1)",
+    )
+    .bind(consumer)
+    .fetch_one(pool)
+    .await
 }
 
 async fn discard_batch(pool: &PgPool, consumer: &str, through: Option<i64>) -> Result<Discarded, sqlx::Error> {
