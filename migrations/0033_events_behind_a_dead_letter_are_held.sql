@@ -93,9 +93,14 @@ DECLARE
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(
         v_event.consumer || '/' || v_event.topic || '/' || v_event.partition_key, 33));
-    SELECT min(p.seq) INTO v_first FROM obx.inbox_event p
+    -- Locked, not only read: in a transaction that keeps one snapshot (REPEATABLE READ, an
+    -- operator's), a parked row another session has released since is a serialization
+    -- failure here, not a key whose events stay held.
+    SELECT p.seq INTO v_first FROM obx.inbox_event p
     WHERE p.consumer = v_event.consumer AND p.topic = v_event.topic
-      AND p.partition_key = v_event.partition_key AND p.parked AND NOT p.processed;
+      AND p.partition_key = v_event.partition_key AND p.parked AND NOT p.processed
+    ORDER BY p.seq LIMIT 1
+    FOR SHARE;
     UPDATE obx.inbox_event e SET held = false
     WHERE e.consumer = v_event.consumer AND e.topic = v_event.topic
       AND e.partition_key = v_event.partition_key AND NOT e.processed AND e.held

@@ -1728,6 +1728,54 @@ async fn two_dead_letters_of_one_key_released_together_leave_nothing_held() {
     host.shutdown().await;
 }
 
+/// A release in a transaction that keeps one snapshot (REPEATABLE READ, as an operator's
+/// session may) fails rather than leave a key's events held: it saw the key's earlier dead
+/// letter still parked, released since by another session, and held the events behind it
+/// for ever.
+#[tokio::test]
+async fn a_release_on_an_old_snapshot_fails_rather_than_hold_a_key_for_ever() {
+    let host = spawn_host(&[]).await;
+    sqlx::query(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, parked, held) \
+         SELECT 'ghost', gen_random_uuid(), 't', jsonb_build_object('n', n), 'Thing', 'K', n IN (0, 2), n > 0 \
+         FROM generate_series(0, 3) n ORDER BY n",
+    )
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let release = |n: i64| format!("UPDATE obx.inbox_event SET parked = false WHERE payload->>'n' = '{n}'");
+    let mut old = host.db.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *old)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM obx.inbox_event")
+        .execute(&mut *old)
+        .await
+        .unwrap();
+    sqlx::query(&release(0)).execute(&host.db).await.unwrap();
+    let refused = sqlx::query(&release(2)).execute(&mut *old).await.unwrap_err();
+    assert_eq!(
+        refused.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("40001"),
+        "{refused}"
+    );
+    drop(old);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE held AND seq > (SELECT min(seq) FROM obx.inbox_event WHERE parked)")
+            .await,
+        1,
+        "the event behind the letter still parked stays held"
+    );
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE held AND seq < (SELECT min(seq) FROM obx.inbox_event WHERE parked)")
+            .await,
+        0,
+        "the events before it are free"
+    );
+    host.shutdown().await;
+}
+
 /// Parking an event costs the same behind any backlog, and releasing it is one pass over
 /// its held events: the park holds the first 1,000 of the 20,000 events already behind it
 /// (those stored later are held as they come), and the release frees them. Freeing each

@@ -1049,9 +1049,13 @@ impl Tries {
 /// The `held` of an event stored by consumer `$1`, with topic `e.topic` and key
 /// `e.partition_key`: its key has a parked event (`obx.inbox_event_held`, which reads that
 /// row `FOR SHARE`, so that a release running at the same time does not leave the event held
-/// for ever), asked only once the plugin is seen to have a parked event at all.
+/// for ever). Asked only once the plugin, then the key, is seen to have one: each look that
+/// misses a park in progress only leaves an event unheld, which claims read as before.
 const HELD: &str = "(SELECT EXISTS (SELECT 1 FROM obx.inbox_event p \
                                    WHERE p.consumer = $1 AND p.parked AND NOT p.processed)) \
+                    AND EXISTS (SELECT 1 FROM obx.inbox_event p \
+                                WHERE p.consumer = $1 AND p.topic = e.topic AND p.partition_key = e.partition_key \
+                                  AND p.parked AND NOT p.processed) \
                     AND obx.inbox_event_held($1, e.topic, e.partition_key)";
 
 /// Stores an event in the inbox, once: a redelivery finds it there.

@@ -67,7 +67,7 @@ pub async fn list(
                 d.status, d.parked_at, d.resolved_at, \
                 (SELECT count(*) FROM obx.inbox_event w \
                  WHERE w.consumer = d.consumer AND w.topic = d.topic AND w.partition_key = d.partition_key \
-                   AND NOT w.processed AND NOT w.parked AND NOT w.held) \
+                   AND NOT w.processed AND NOT w.parked AND NOT w.held AND w.event_id <> d.event_id) \
                 + (SELECT count(*) FROM obx.inbox_event w \
                    WHERE w.consumer = d.consumer AND w.topic = d.topic AND w.partition_key = d.partition_key \
                      AND NOT w.processed AND (w.parked OR w.held) \
