@@ -46,7 +46,7 @@ pub struct Quarantined {
 pub enum DlqError {
     #[error("there is no parked dead letter with id {0}")]
     NotParked(i64),
-    #[error("no plugin is named {0:?}, and no dead letter is its")]
+    #[error("no plugin is named {0:?}, and no dead letter was parked under that name")]
     UnknownPlugin(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
