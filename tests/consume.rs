@@ -1625,17 +1625,7 @@ async fn an_event_stored_while_its_dead_letter_is_released_is_not_left_held() {
         format!("UPDATE obx.inbox_event SET parked = {parked} WHERE consumer = 'ghost' AND payload->>'n' = '0'")
     };
     let held = || host.count("SELECT count(*) FROM obx.inbox_event WHERE held");
-    let waiting = || async {
-        eventually(Duration::from_secs(10), "a session waits for a lock", || async {
-            host.count(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .await
-                == 1
-        })
-        .await
-    };
+    let waiting = || a_session_waits_for_a_lock(&host, "a session waits for a lock");
     sqlx::query(&store(0)).execute(&host.db).await.unwrap();
     sqlx::query(&park(true)).execute(&host.db).await.unwrap();
 
@@ -1709,19 +1699,7 @@ async fn two_dead_letters_of_one_key_released_together_leave_nothing_held() {
         let sql = discard(1);
         async move { sqlx::query(&sql).execute(&db).await.unwrap() }
     });
-    eventually(
-        Duration::from_secs(10),
-        "the second release waits for the first",
-        || async {
-            host.count(
-                "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .await
-                == 1
-        },
-    )
-    .await;
+    a_session_waits_for_a_lock(&host, "the second release waits for the first").await;
     first.commit().await.unwrap();
     second.await.unwrap();
     assert_eq!(held().await, 0, "the key's last event is free");
@@ -1826,6 +1804,19 @@ async fn a_key_with_a_long_backlog_is_parked_and_released_in_one_short_statement
     park(false).await;
     assert_eq!(held().await, 0);
     host.shutdown().await;
+}
+
+/// Waits until one session of the host's database waits for a lock.
+async fn a_session_waits_for_a_lock(host: &TestHost, what: &str) {
+    eventually(Duration::from_secs(10), what, || async {
+        host.count(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+            == 1
+    })
+    .await
 }
 
 /// What [`parked_flood`] puts in the inbox before two events with no key and three of key B.
