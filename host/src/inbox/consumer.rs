@@ -1060,22 +1060,7 @@ const HELD: &str = "(SELECT EXISTS (SELECT 1 FROM obx.inbox_event p \
 
 /// Stores an event in the inbox, once: a redelivery finds it there.
 pub(crate) async fn store_in_inbox(conn: &mut PgConnection, consumer: &str, e: &Incoming) -> sqlx::Result<()> {
-    sqlx::query(&format!(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, headers, held) \
-         SELECT $1, $2, e.topic, $4::jsonb, $5, e.partition_key, $7, {HELD} \
-         FROM (VALUES ($3::text, $6::text)) AS e(topic, partition_key) \
-         ON CONFLICT (consumer, event_id) DO NOTHING",
-    ))
-    .bind(consumer)
-    .bind(e.event_id)
-    .bind(&e.topic)
-    .bind(&e.payload)
-    .bind(&e.event_type)
-    .bind(&e.key)
-    .bind(e.headers_json())
-    .execute(conn)
-    .await?;
-    Ok(())
+    store_all_in_inbox(conn, consumer, &[e]).await
 }
 
 /// Stores events in the inbox, in their order, each once, with one statement.
