@@ -173,6 +173,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
                 shutdown: consumers_stopped.clone(),
                 one_at_a_time: Default::default(),
                 failing: Default::default(),
+                freeing: Default::default(),
             };
             consumers.push(tokio::spawn(processor.run()));
         }

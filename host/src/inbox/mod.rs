@@ -26,6 +26,7 @@
 pub mod consumer;
 mod counts;
 pub mod dlq;
+mod freeing;
 pub(crate) mod handling;
 mod lag;
 mod lease;
@@ -35,6 +36,7 @@ mod stuck;
 pub mod supervisor;
 
 pub use self::counts::{counts, Counts};
+pub use self::freeing::Freeing;
 pub use self::lag::ConsumerLag;
 
 use std::collections::BTreeMap;

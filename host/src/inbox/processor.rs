@@ -54,6 +54,9 @@ pub struct Processor {
     /// how many times in a row, and when to try again. Each waits out its own backoff,
     /// while the others' events go on.
     pub failing: std::sync::Mutex<std::collections::HashMap<String, (u32, Instant)>>,
+    /// When each consumer's keys named for freeing are next looked at (see
+    /// [`super::Freeing`]).
+    pub freeing: super::Freeing,
 }
 
 /// What one step did.
@@ -149,8 +152,10 @@ impl Processor {
 
     /// Events of one key of `consumer`, up to `consumer.batch_max_events`, in one
     /// transaction on the plugin's own session: first with no savepoints, and if a handler
-    /// fails, again with a savepoint per event (see the module's documentation).
+    /// fails, again with a savepoint per event (see the module's documentation). Before
+    /// that, now and then, a part of the events held behind a released dead letter is freed.
     async fn step_for(&self, consumer: &str) -> anyhow::Result<Outcome> {
+        self.freeing.run(&self.dispatcher.sessions, consumer).await;
         match self.take(consumer, Undo::Transaction).await? {
             Outcome::Undone => self.take(consumer, Undo::Event).await,
             done => Ok(done),
