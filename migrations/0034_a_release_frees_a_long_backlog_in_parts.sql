@@ -99,22 +99,24 @@ CREATE FUNCTION obx_api.inbox_free_held(p_most integer) RETURNS integer
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_consumer text := (obx.session_plugin()).name;
-    v_key      obx.inbox_key_freeing;
+    v_key      record;
 BEGIN
-    -- The key's lock is tried in the scan, so that only a key this session can free is
-    -- locked and returned (a lock taken for a row another session holds is let go with the
-    -- transaction, a few statements on).
-    SELECT * INTO v_key FROM obx.inbox_key_freeing f
-    WHERE f.consumer = v_consumer
-      AND pg_try_advisory_xact_lock(hashtextextended(
-              f.consumer || '/' || f.topic || '/' || f.partition_key, 33))
-    ORDER BY f.named_at LIMIT 1
-    FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
-        RETURN -1;
-    END IF;
-    RETURN obx.inbox_free_key(v_consumer, v_key.topic, v_key.partition_key,
-                              least(greatest(coalesce(p_most, 1), 1), 100000));
+    -- The key's lock is tried a key at a time, here and not in the query (which would try
+    -- it on every named key before the sort, and hold all it got to the commit): at most
+    -- one key is locked. The lock keeps other sessions off the key; a key named no longer
+    -- by the time its lock is taken frees nothing.
+    FOR v_key IN
+        SELECT f.topic, f.partition_key FROM obx.inbox_key_freeing f
+        WHERE f.consumer = v_consumer
+        ORDER BY f.named_at
+    LOOP
+        IF pg_try_advisory_xact_lock(hashtextextended(
+               v_consumer || '/' || v_key.topic || '/' || v_key.partition_key, 33)) THEN
+            RETURN obx.inbox_free_key(v_consumer, v_key.topic, v_key.partition_key,
+                                      least(greatest(coalesce(p_most, 1), 1), 100000));
+        END IF;
+    END LOOP;
+    RETURN -1;
 END $$;
 
 REVOKE ALL ON obx.inbox_key_freeing FROM PUBLIC;

@@ -1867,9 +1867,10 @@ async fn a_long_backlog_behind_a_discarded_letter_is_freed_by_the_processors_in_
 }
 
 /// A part that runs past the plugin's statement timeout is tried again smaller, so that a
-/// slow database frees a long backlog too. Here a trigger makes each event a plugin's
-/// session frees take 0.2 ms, so a part of 10,000 takes two seconds against a 500 ms timeout:
-/// at a fixed size every part failed, and the key stayed held after the release's first 1,000.
+/// slow database frees a long backlog too. Here a trigger makes every tenth event a plugin's
+/// session frees take a millisecond more, so a part of 10,000 takes over a second against a
+/// 500 ms timeout: at a fixed size every part failed, and the key stayed held after the
+/// release's first 1,000.
 #[tokio::test]
 async fn a_part_past_the_statement_timeout_is_tried_again_smaller() {
     let host = spawn_host_with(&["testbed"], |c| {
@@ -1893,7 +1894,8 @@ async fn a_part_past_the_statement_timeout_is_tried_again_smaller() {
             .to_string(),
         format!(
             "CREATE FUNCTION public.slow_free() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF session_user = '{role}' THEN PERFORM pg_sleep(0.0002); END IF; RETURN NEW; END $$"
+             $$ BEGIN IF session_user = '{role}' AND NEW.seq % 10 = 0 THEN PERFORM pg_sleep(0.001); END IF; \
+             RETURN NEW; END $$"
         ),
         "CREATE TRIGGER slow_free BEFORE UPDATE ON obx.inbox_event FOR EACH ROW \
          WHEN (OLD.held AND NOT NEW.held) EXECUTE FUNCTION public.slow_free()"
@@ -1910,6 +1912,70 @@ async fn a_part_past_the_statement_timeout_is_tried_again_smaller() {
     .await;
     assert_eq!(key_disorder(&host).await, 0, "key A in order");
     assert_eq!(host.count("SELECT count(*) FROM obx.inbox_key_freeing").await, 0);
+    host.shutdown().await;
+}
+
+/// A processor's part locks one named key at most, and the keys take turns: with five keys
+/// named, `obx_api.inbox_free_held` on the plugin's own session frees a part of the one named
+/// longest and holds one advisory lock. (Trying the key's lock in the query's `WHERE` took
+/// it for every named key the sort read, and held them all to the commit, so the releases
+/// and parks of every such key waited for the part; and a key was named again at the back
+/// of the queue only after its last part.) No inbox processor runs here.
+#[tokio::test]
+async fn a_part_locks_one_named_key_and_the_keys_take_turns() {
+    let host = spawn_host_with(&["testbed"], |c| c.consumer.inbox_processors = 0).await;
+    for key in ["K1", "K2", "K3", "K4", "K5"] {
+        for sql in [
+            format!(
+                "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, parked) \
+                 VALUES ('testbed', gen_random_uuid(), 't', '{{}}', 'Thing', '{key}', true)"
+            ),
+            format!(
+                "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
+                 SELECT 'testbed', gen_random_uuid(), 't', jsonb_build_object('n', n), 'Thing', '{key}', \
+                        obx.inbox_event_held('testbed', 't', '{key}') \
+                 FROM generate_series(1, 1500) n ORDER BY n"
+            ),
+            format!("UPDATE obx.inbox_event SET parked = false WHERE partition_key = '{key}' AND parked"),
+        ] {
+            sqlx::query(&sql).execute(&host.db).await.unwrap();
+        }
+    }
+    let named = || host.count("SELECT count(*) FROM obx.inbox_key_freeing");
+    assert_eq!(named().await, 5);
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE held").await,
+        5 * 500
+    );
+    let mut session = host.plugin_session("testbed").await;
+    for (key, left) in [
+        ("K1", 400),
+        ("K2", 400),
+        ("K3", 400),
+        ("K4", 400),
+        ("K5", 400),
+        ("K1", 300),
+    ] {
+        let mut tx = sqlx::Connection::begin(&mut session).await.unwrap();
+        let freed: i32 = sqlx::query_scalar("SELECT obx_api.inbox_free_held(100)")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let locks: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!((freed, locks), (100, 1), "a part of {key}");
+        let held = host
+            .count(&format!(
+                "SELECT count(*) FROM obx.inbox_event WHERE held AND partition_key = '{key}'"
+            ))
+            .await;
+        assert_eq!(held, left, "the part was {key}'s");
+    }
+    assert_eq!(named().await, 5);
     host.shutdown().await;
 }
 

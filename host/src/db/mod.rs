@@ -626,7 +626,7 @@ mod tests {
         (31, "be16091c8b44d0de794ca816f852b6e2"),
         (32, "3278b6433db34c6286daf4ee25f5009e"),
         (33, "fe7c2d562463a52dba2d46968d1f1063"),
-        (34, "1eac83fcacd11f5390cd5b3c5965cb39"),
+        (34, "20c1cc83e24f4c95ba9566a11659b08c"),
     ];
 
     #[test]
