@@ -465,8 +465,8 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
 
 /// Request bodies in flight are bounded for the whole host, not only one by one: with room
 /// for two 64 KiB bodies, a third request with a 64 KiB body is answered 503 `busy` while two
-/// peers trickle theirs; a request without a body is still served; and once a peer goes, a
-/// command goes through again. (The third's body is read and dropped before its answer, so
+/// peers hold theirs all but sent; a request without a body is still served; and once a peer
+/// goes, a command goes through again. (The third's body is read and dropped before its answer, so
 /// that a close with bytes unread cannot reset the connection; on loopback here the answer
 /// arrived either way, so this does not show that part.) One that waits for `100 Continue`
 /// is answered at once, not asked to upload.
@@ -488,10 +488,12 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
     for _ in 0..2 {
         let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
         peer.write_all(head(BODY).as_bytes()).await.unwrap();
-        peer.write_all(b"{\"id\":").await.unwrap();
+        // All but the last 10 bytes: 64 KiB of the budget, charged as it arrives.
+        let most = format!("{{\"id\":{}", " ".repeat(BODY - 16));
+        peer.write_all(most.as_bytes()).await.unwrap();
         trickling.push(peer);
     }
-    // Their heads have arrived and taken the budget (a second is ample).
+    // Their bodies have arrived and taken the budget (a second is ample).
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut third = TcpStream::connect(host.host.addr).await.unwrap();
     let padding = " ".repeat(BODY - 64);
@@ -526,5 +528,37 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     drop(trickling);
+    host.shutdown().await;
+}
+
+/// A head charges the budget nothing: peers that send heads declaring the largest body and
+/// never send it do not hold off the bodies of others. Each request was charged its declared
+/// length when its head arrived before, and the command below was answered 503 `busy` for as
+/// long as the heads waited (`http.request_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_whose_bodies_never_come_hold_no_budget() {
+    const BODY: usize = 64 * 1024;
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.http.max_body_bytes = BODY;
+        c.http.max_body_bytes_in_flight = 2 * BODY;
+    })
+    .await;
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {BODY}\r\n\r\n"
+        );
+        peer.write_all(head.as_bytes()).await.unwrap();
+        silent.push(peer);
+    }
+    // Their heads have arrived (a second is ample).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let answer = host
+        .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    drop(silent);
     host.shutdown().await;
 }

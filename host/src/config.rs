@@ -166,9 +166,8 @@ pub struct HttpConfig {
     /// The largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// The most bytes of request bodies all connections may hold at once, each request
-    /// counted by its declared length when its head arrives (`http.max_body_bytes` if it
-    /// declares none). A request past it is answered 503 `busy` at once. At least
-    /// `http.max_body_bytes`.
+    /// counted by what it has sent, in whole KiB, as it arrives. A request whose body does
+    /// not fit is answered 503 `busy` (`api/bodies.rs`). At least `http.max_body_bytes`.
     pub max_body_bytes_in_flight: usize,
     /// Requests that take longer, from their head's arrival, are answered 408 if their body
     /// had not all arrived, 503 otherwise.

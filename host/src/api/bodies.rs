@@ -3,29 +3,30 @@
 //! `http.max_connections` peers each sending one could make the host hold about a gigabyte
 //! (twice that while each is checked and copied) for as long as `http.request_timeout`.
 //!
-//! A request takes its body's declared length from the budget when its head has arrived,
-//! before any of its body is read (or `http.max_body_bytes` if it declares none: a chunked
-//! body), and gives it back with its answer. A request the budget cannot take is answered
-//! 503 `busy` with `Retry-After`, and its connection closed, once its body has been read and
-//! dropped a frame at a time (never held): a connection closed with bytes unread is reset,
-//! and the client's kernel may throw the answer away. The read stops after [`DRAIN_WITHIN`]
-//! or one body's bound. A request that waits for `100 Continue` has sent no body, and is
-//! answered at once: reading its body would invite the upload.
+//! A request is charged for its body as the body arrives, frame by frame, in whole KiB of
+//! what it has sent so far, and gives it all back with its answer: what the host holds is
+//! what the budget counts. A request whose next frame the budget cannot take is answered 503
+//! `busy` with `Retry-After`, and its connection closed, once the rest of its body has been
+//! read and dropped a frame at a time (never held): a connection closed with bytes unread is
+//! reset, and the client's kernel may throw the answer away. The read stops after
+//! [`DRAIN_WITHIN`] or one body's bound. A request that waits for `100 Continue` has sent no
+//! body: if its declared length does not fit in what is left, it is answered at once, since
+//! reading its body would invite the upload.
 //!
-//! The charge is what a request declares, not what it has sent: a caller allowed to send
-//! commands can hold the budget with heads whose bodies never come, for
-//! `http.request_timeout`, as it can hold `http.max_connections` connections.
+//! A head charges nothing: the budget was charged each request's declared length when its
+//! head arrived, so a caller allowed to send commands could hold all of it with heads whose
+//! bodies never came, for `http.request_timeout`, and every other body was refused meanwhile.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, BodyDataStream};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use futures::StreamExt;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::errors::error_response;
 
@@ -54,9 +55,10 @@ impl Budget {
         }
     }
 
-    /// What a request with these headers takes: its declared length, at most one body's
-    /// bound; one body's bound if it has a body of no declared length; nothing without one.
-    fn cost(&self, headers: &HeaderMap) -> u32 {
+    /// What a request with these headers declares it will send: its length, at most one
+    /// body's bound; one body's bound if it has a body of no declared length; nothing
+    /// without one.
+    fn declared(&self, headers: &HeaderMap) -> u32 {
         let declared = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -70,37 +72,113 @@ impl Budget {
     }
 }
 
+/// What one request's body has taken from the budget so far.
+#[derive(Default)]
+struct Charge {
+    bytes: u64,
+    taken: Option<OwnedSemaphorePermit>,
+    /// A frame did not fit: the request is answered `busy`.
+    refused: bool,
+}
+
+impl Charge {
+    /// Takes what `more` bytes of body add, in whole KiB; false if the budget cannot.
+    fn take(&mut self, budget: &Budget, more: usize) -> bool {
+        let bytes = self.bytes + more as u64;
+        let held = self.taken.as_ref().map_or(0, |t| t.num_permits() as u32);
+        let wanted = kib(bytes).saturating_sub(held);
+        if wanted > 0 {
+            let Ok(permits) = budget.kib.clone().try_acquire_many_owned(wanted) else {
+                self.refused = true;
+                return false;
+            };
+            match &mut self.taken {
+                Some(taken) => taken.merge(permits),
+                None => self.taken = Some(permits),
+            }
+        }
+        self.bytes = bytes;
+        true
+    }
+}
+
+type Shared = Arc<std::sync::Mutex<Charge>>;
+
+fn lock(charge: &Shared) -> std::sync::MutexGuard<'_, Charge> {
+    charge.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The body was refused a frame by the budget.
+#[derive(Debug)]
+struct OverBudget;
+
+impl std::fmt::Display for OverBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the host holds as many request bodies as http.max_body_bytes_in_flight allows")
+    }
+}
+
+impl std::error::Error for OverBudget {}
+
 pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next) -> Response {
-    let cost = budget.cost(request.headers());
-    if cost == 0 {
+    let declared = budget.declared(request.headers());
+    if declared == 0 {
         return next.run(request).await;
     }
-    let Ok(taken) = budget.kib.clone().try_acquire_many_owned(cost) else {
-        metrics::counter!("obx_http_requests_refused_total", "reason" => "bodies_in_flight").increment(1);
-        if !request.headers().contains_key(header::EXPECT) {
-            drain(request.into_body(), budget.one_body_bytes).await;
-        }
-        let mut response = error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "busy",
-            "the host holds as many request bodies as http.max_body_bytes_in_flight allows; send it again",
-        );
-        let headers = response.headers_mut();
-        headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        // Closed, as a refused peer's connection always was: a drained one could otherwise
-        // be kept busy with refusals.
-        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-        return response;
-    };
-    let response = next.run(request).await;
-    drop(taken);
+    if request.headers().contains_key(header::EXPECT) && (budget.kib.available_permits() as u32) < declared {
+        return busy();
+    }
+    let charge = Shared::default();
+    let (parts, body) = request.into_parts();
+    let body = charged(body, budget, charge.clone());
+    let response = next.run(Request::from_parts(parts, body)).await;
+    // Whatever the handler made of the error its body gave it.
+    if lock(&charge).refused {
+        return busy();
+    }
     response
 }
 
-/// Reads `body` and drops each frame as it comes, to its end, or [`DRAIN_WITHIN`], or `most`
+/// `body`, each frame charged to `budget` as it comes. A frame the budget cannot take ends
+/// the body with an error, once the rest has been read and dropped (see [`drain`]).
+fn charged(body: Body, budget: Budget, charge: Shared) -> Body {
+    let frames = body.into_data_stream();
+    let stream = futures::stream::unfold(Some(frames), move |frames| {
+        let (budget, charge) = (budget.clone(), charge.clone());
+        async move {
+            let mut frames = frames?;
+            match frames.next().await? {
+                Ok(frame) if lock(&charge).take(&budget, frame.len()) => Some((Ok(frame), Some(frames))),
+                Ok(_) => {
+                    drain(frames, budget.one_body_bytes).await;
+                    Some((Err(axum::Error::new(OverBudget)), None))
+                }
+                Err(e) => Some((Err(e), None)),
+            }
+        }
+    });
+    Body::from_stream(stream)
+}
+
+/// 503 `busy`, and the connection closed.
+fn busy() -> Response {
+    metrics::counter!("obx_http_requests_refused_total", "reason" => "bodies_in_flight").increment(1);
+    let mut response = error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "the host holds as many request bodies as http.max_body_bytes_in_flight allows; send it again",
+    );
+    let headers = response.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    // Closed, as a refused peer's connection always was: a drained one could otherwise be
+    // kept busy with refusals.
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// Reads `frames` and drops each as it comes, to their end, or [`DRAIN_WITHIN`], or `most`
 /// bytes, whichever comes first.
-async fn drain(body: Body, most: usize) {
-    let mut frames = body.into_data_stream();
+async fn drain(mut frames: BodyDataStream, most: usize) {
     let to_the_end = async {
         let mut read = 0usize;
         while let Some(Ok(frame)) = frames.next().await {
@@ -118,18 +196,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_request_takes_its_declared_length_at_most_one_bodys_bound() {
+    fn a_request_declares_its_length_at_most_one_bodys_bound() {
         let budget = Budget::new(8 * UNIT, 2 * UNIT);
         let with = |name: header::HeaderName, value: &str| {
             let mut h = HeaderMap::new();
             h.insert(name, HeaderValue::from_str(value).unwrap());
             h
         };
-        assert_eq!(budget.cost(&HeaderMap::new()), 0);
-        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "0")), 0);
-        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "1")), 1);
-        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "1025")), 2);
-        assert_eq!(budget.cost(&with(header::CONTENT_LENGTH, "99999999999999")), 2);
-        assert_eq!(budget.cost(&with(header::TRANSFER_ENCODING, "chunked")), 2);
+        assert_eq!(budget.declared(&HeaderMap::new()), 0);
+        assert_eq!(budget.declared(&with(header::CONTENT_LENGTH, "0")), 0);
+        assert_eq!(budget.declared(&with(header::CONTENT_LENGTH, "1")), 1);
+        assert_eq!(budget.declared(&with(header::CONTENT_LENGTH, "1025")), 2);
+        assert_eq!(budget.declared(&with(header::CONTENT_LENGTH, "99999999999999")), 2);
+        assert_eq!(budget.declared(&with(header::TRANSFER_ENCODING, "chunked")), 2);
+    }
+
+    #[test]
+    fn a_body_is_charged_whole_kib_of_what_it_has_sent() {
+        let budget = Budget::new(4 * UNIT, 4 * UNIT);
+        let (mut a, mut b) = (Charge::default(), Charge::default());
+        assert!(a.take(&budget, 1));
+        assert!(a.take(&budget, 1023));
+        assert_eq!(budget.kib.available_permits(), 3, "1,024 bytes in two frames: one KiB");
+        assert!(a.take(&budget, 1));
+        assert!(b.take(&budget, 2 * UNIT));
+        assert_eq!(budget.kib.available_permits(), 0);
+        assert!(!b.take(&budget, 1), "no room for a fifth KiB");
+        assert!(b.refused && !a.refused);
+        drop(a);
+        assert_eq!(budget.kib.available_permits(), 2, "given back whole");
     }
 }
