@@ -559,6 +559,20 @@ async fn heads_whose_bodies_never_come_hold_no_budget() {
         .command("testbed", "emit", json!({ "id": "through", "topic": "testbed.events" }))
         .await;
     assert_eq!(answer.status, 200, "{}", answer.text);
+    // One that waits for `100 Continue` and fits is invited to upload, and served.
+    let mut waiting = TcpStream::connect(host.host.addr).await.unwrap();
+    let body = r#"{"id":"continued","topic":"testbed.events"}"#;
+    let head = format!(
+        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len()
+    );
+    waiting.write_all(head.as_bytes()).await.unwrap();
+    let invited = answer_of(&mut waiting).await;
+    assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
+    waiting.write_all(body.as_bytes()).await.unwrap();
+    let answer = answer_of(&mut waiting).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(silent);
     host.shutdown().await;
 }

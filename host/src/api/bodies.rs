@@ -4,11 +4,13 @@
 //! (twice that while each is checked and copied) for as long as `http.request_timeout`.
 //!
 //! A request is charged for its body as the body arrives, frame by frame, in whole KiB of
-//! what it has sent so far, and gives it all back with its answer: what the host holds is
-//! what the budget counts. A request whose next frame the budget cannot take is answered 503
-//! `busy` with `Retry-After`, and its connection closed, once the rest of its body has been
-//! read and dropped a frame at a time (never held): a connection closed with bytes unread is
-//! reset, and the client's kernel may throw the answer away. The read stops after
+//! what it has sent so far (at most one body's bound and a KiB: past that it is refused 413),
+//! and gives it all back with its answer: the budget counts what the handlers hold, not
+//! hyper's read buffers. A request whose next frame the budget cannot take gives back what it
+//! took at once, so that one refusal does not refuse others, and is answered 503 `busy` with
+//! `Retry-After`, and its connection closed, once the rest of its body has been read and
+//! dropped a frame at a time (never held): a connection closed with bytes unread is reset,
+//! and the client's kernel may throw the answer away. The read stops after
 //! [`DRAIN_WITHIN`] or one body's bound. A request that waits for `100 Continue` has sent no
 //! body: if its declared length does not fit in what is left, it is answered at once, since
 //! reading its body would invite the upload.
@@ -79,17 +81,22 @@ struct Charge {
     taken: Option<OwnedSemaphorePermit>,
     /// A frame did not fit: the request is answered `busy`.
     refused: bool,
+    /// The rest of a refused body, read and dropped before the answer.
+    rest: Option<BodyDataStream>,
 }
 
 impl Charge {
-    /// Takes what `more` bytes of body add, in whole KiB; false if the budget cannot.
+    /// Takes what `more` bytes of body add, in whole KiB, up to one body's bound and a KiB;
+    /// false, and what it took given back, if the budget cannot.
     fn take(&mut self, budget: &Budget, more: usize) -> bool {
         let bytes = self.bytes + more as u64;
         let held = self.taken.as_ref().map_or(0, |t| t.num_permits() as u32);
-        let wanted = kib(bytes).saturating_sub(held);
+        let most = kib(budget.one_body_bytes as u64).saturating_add(1);
+        let wanted = kib(bytes).min(most).saturating_sub(held);
         if wanted > 0 {
             let Ok(permits) = budget.kib.clone().try_acquire_many_owned(wanted) else {
                 self.refused = true;
+                self.taken = None;
                 return false;
             };
             match &mut self.taken {
@@ -130,17 +137,25 @@ pub async fn bounded(State(budget): State<Budget>, request: Request, next: Next)
     }
     let charge = Shared::default();
     let (parts, body) = request.into_parts();
-    let body = charged(body, budget, charge.clone());
+    let body = charged(body, budget.clone(), charge.clone());
     let response = next.run(Request::from_parts(parts, body)).await;
     // Whatever the handler made of the error its body gave it.
-    if lock(&charge).refused {
-        return busy();
+    let rest = {
+        let mut charge = lock(&charge);
+        if !charge.refused {
+            return response;
+        }
+        charge.rest.take()
+    };
+    if let Some(rest) = rest {
+        drain(rest, budget.one_body_bytes).await;
     }
-    response
+    busy()
 }
 
 /// `body`, each frame charged to `budget` as it comes. A frame the budget cannot take ends
-/// the body with an error, once the rest has been read and dropped (see [`drain`]).
+/// the body with an error at once; its rest is kept in `charge`, to be read and dropped
+/// after the handler's answer (see [`drain`]).
 fn charged(body: Body, budget: Budget, charge: Shared) -> Body {
     let frames = body.into_data_stream();
     let stream = futures::stream::unfold(Some(frames), move |frames| {
@@ -148,9 +163,12 @@ fn charged(body: Body, budget: Budget, charge: Shared) -> Body {
         async move {
             let mut frames = frames?;
             match frames.next().await? {
-                Ok(frame) if lock(&charge).take(&budget, frame.len()) => Some((Ok(frame), Some(frames))),
-                Ok(_) => {
-                    drain(frames, budget.one_body_bytes).await;
+                Ok(frame) => {
+                    let mut charge = lock(&charge);
+                    if charge.take(&budget, frame.len()) {
+                        return Some((Ok(frame), Some(frames)));
+                    }
+                    charge.rest = Some(frames);
                     Some((Err(axum::Error::new(OverBudget)), None))
                 }
                 Err(e) => Some((Err(e), None)),
@@ -223,7 +241,20 @@ mod tests {
         assert_eq!(budget.kib.available_permits(), 0);
         assert!(!b.take(&budget, 1), "no room for a fifth KiB");
         assert!(b.refused && !a.refused);
+        assert_eq!(
+            budget.kib.available_permits(),
+            2,
+            "a refused body gives back what it took"
+        );
         drop(a);
-        assert_eq!(budget.kib.available_permits(), 2, "given back whole");
+        assert_eq!(budget.kib.available_permits(), 4, "given back whole");
+        let budget = Budget::new(8 * UNIT, 4 * UNIT);
+        let mut c = Charge::default();
+        assert!(c.take(&budget, 3 * UNIT));
+        assert!(
+            c.take(&budget, 9 * UNIT),
+            "past one body's bound: a KiB more (it is refused 413)"
+        );
+        assert_eq!(budget.kib.available_permits(), 3);
     }
 }
