@@ -1832,37 +1832,9 @@ async fn a_key_with_a_long_backlog_is_parked_and_released_in_short_statements() 
 #[tokio::test]
 async fn a_long_backlog_behind_a_discarded_letter_is_freed_by_the_processors_in_order() {
     let host = spawn_host_with(&["testbed"], |c| c.consumer.max_attempts = 1).await;
-    let p = producer(&host.host.brokers.bootstrap);
-    let topic = host.topic(INBOX);
-    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 0, "poison": true })).await;
-    eventually(Duration::from_secs(20), "key A parked", || async {
-        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
-    })
-    .await;
-    sqlx::query(
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', 'A', \
-                obx.inbox_event_held(e.consumer, e.topic, 'A') \
-         FROM obx.inbox_event e, generate_series(1, 12000) g WHERE e.parked ORDER BY g",
-    )
-    .execute(&host.db)
-    .await
-    .unwrap();
-    assert_eq!(
-        host.count("SELECT count(*) FROM obx.inbox_event WHERE held").await,
-        12_000
-    );
-    let id = host.count("SELECT id FROM obx.dead_letter").await;
-    let answer = host.post_json(&format!("/v1/dlq/{id}/discard"), json!({})).await;
-    assert_eq!(answer.status, 200, "{}", answer.text);
-    eventually(Duration::from_secs(120), "key A's backlog takes effect", || async {
-        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await == 12_000
-    })
-    .await;
-    assert_eq!(key_disorder(&host).await, 0, "key A in order");
+    a_backlog_behind_a_discarded_letter_takes_effect(&host, 12_000, &[]).await;
     assert_each_effect_once(&host, 12_000).await;
     assert_eq!(host.count("SELECT count(*) FROM obx.inbox_event WHERE held").await, 0);
-    assert_eq!(host.count("SELECT count(*) FROM obx.inbox_key_freeing").await, 0);
     host.shutdown().await;
 }
 
@@ -1878,20 +1850,8 @@ async fn a_part_past_the_statement_timeout_is_tried_again_smaller() {
         c.limits.statement_timeout = Duration::from_millis(500);
     })
     .await;
-    let p = producer(&host.host.brokers.bootstrap);
-    let topic = host.topic(INBOX);
-    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 0, "poison": true })).await;
-    eventually(Duration::from_secs(20), "key A parked", || async {
-        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
-    })
-    .await;
     let role = host.plugin_role("testbed").await;
-    for setup in [
-        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
-         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', 'A', \
-                obx.inbox_event_held(e.consumer, e.topic, 'A') \
-         FROM obx.inbox_event e, generate_series(1, 6000) g WHERE e.parked ORDER BY g"
-            .to_string(),
+    let slow = [
         format!(
             "CREATE FUNCTION public.slow_free() RETURNS trigger LANGUAGE plpgsql AS \
              $$ BEGIN IF session_user = '{role}' AND NEW.seq % 10 = 0 THEN PERFORM pg_sleep(0.001); END IF; \
@@ -1900,19 +1860,47 @@ async fn a_part_past_the_statement_timeout_is_tried_again_smaller() {
         "CREATE TRIGGER slow_free BEFORE UPDATE ON obx.inbox_event FOR EACH ROW \
          WHEN (OLD.held AND NOT NEW.held) EXECUTE FUNCTION public.slow_free()"
             .to_string(),
-    ] {
-        sqlx::query(&setup).execute(&host.db).await.unwrap();
+    ];
+    a_backlog_behind_a_discarded_letter_takes_effect(&host, 6000, &slow).await;
+    host.shutdown().await;
+}
+
+/// Key A's dead letter (the consumer's `max_attempts` is 1) with `events` held behind it,
+/// then `setup`, then the letter discarded through the API: every event of key A takes
+/// effect, in order, and no key stays named for freeing.
+async fn a_backlog_behind_a_discarded_letter_takes_effect(host: &TestHost, events: i64, setup: &[String]) {
+    let p = producer(&host.host.brokers.bootstrap);
+    let topic = host.topic(INBOX);
+    send_event(&p, &topic, "A", "Thing", &json!({ "seq": 0, "poison": true })).await;
+    eventually(Duration::from_secs(20), "key A parked", || async {
+        host.count("SELECT count(*) FROM obx.dead_letter").await == 1
+    })
+    .await;
+    sqlx::query(&format!(
+        "INSERT INTO obx.inbox_event (consumer, event_id, topic, payload, event_type, partition_key, held) \
+         SELECT e.consumer, gen_random_uuid(), e.topic, jsonb_build_object('seq', g), 'Thing', 'A', \
+                obx.inbox_event_held(e.consumer, e.topic, 'A') \
+         FROM obx.inbox_event e, generate_series(1, {events}) g WHERE e.parked ORDER BY g"
+    ))
+    .execute(&host.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        host.count("SELECT count(*) FROM obx.inbox_event WHERE held").await,
+        events
+    );
+    for sql in setup {
+        sqlx::query(sql).execute(&host.db).await.unwrap();
     }
     let id = host.count("SELECT id FROM obx.dead_letter").await;
     let answer = host.post_json(&format!("/v1/dlq/{id}/discard"), json!({})).await;
     assert_eq!(answer.status, 200, "{}", answer.text);
     eventually(Duration::from_secs(120), "key A's backlog takes effect", || async {
-        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await == 6000
+        host.count("SELECT count(*) FROM testbed.effects WHERE key = 'A'").await == events
     })
     .await;
-    assert_eq!(key_disorder(&host).await, 0, "key A in order");
+    assert_eq!(key_disorder(host).await, 0, "key A in order");
     assert_eq!(host.count("SELECT count(*) FROM obx.inbox_key_freeing").await, 0);
-    host.shutdown().await;
 }
 
 /// A processor's part locks one named key at most, and the keys take turns: with five keys
