@@ -1963,6 +1963,27 @@ async fn a_part_locks_one_named_key_and_the_keys_take_turns() {
             .await;
         assert_eq!(held, left, "the part was {key}'s");
     }
+    // What a plugin can do with them: free its own held events early (harmless: a key's head
+    // is its first unprocessed event, held or not), at most 100,000 and at least one a call,
+    // and nothing else.
+    let freed: i32 = sqlx::query_scalar("SELECT obx_api.inbox_free_held(NULL)")
+        .fetch_one(&mut session)
+        .await
+        .unwrap();
+    assert_eq!(freed, 1);
+    for refused in [
+        "SELECT obx.inbox_free_key('testbed', 't', 'K1', 100)",
+        "DELETE FROM obx.inbox_key_freeing",
+        "INSERT INTO obx.inbox_key_freeing (consumer, topic, partition_key) VALUES ('other', 't', 'K')",
+    ] {
+        let e = sqlx::query(refused).execute(&mut session).await.unwrap_err();
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .unwrap_or_default()
+            .to_string();
+        assert_eq!(code, "42501", "{refused}: {e}");
+    }
     assert_eq!(named().await, 5);
     host.shutdown().await;
 }

@@ -163,6 +163,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
             shutdown: consumers_stopped.clone(),
         };
         consumers.push(tokio::spawn(timers.run()));
+        let freeing = Arc::new(crate::inbox::Freeing::default());
         for _ in 0..config.consumer.inbox_processors {
             let processor = Processor {
                 turn: Default::default(),
@@ -173,7 +174,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
                 shutdown: consumers_stopped.clone(),
                 one_at_a_time: Default::default(),
                 failing: Default::default(),
-                freeing: Default::default(),
+                freeing: freeing.clone(),
             };
             consumers.push(tokio::spawn(processor.run()));
         }

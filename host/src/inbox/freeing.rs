@@ -4,8 +4,9 @@
 //! own statement, and names the key in `obx.inbox_key_freeing` while it may hold more
 //! (migration 0034). The inbox processors free the rest, up to [`PART`] at a time, each part
 //! in a short transaction of its own on the plugin's session, before they claim: again at once
-//! while a named key is found, otherwise at most once per [`EVERY`] for each consumer. The
-//! key's order holds meanwhile: its head is its first unprocessed event, held or not.
+//! while a named key is found, otherwise at most once per [`EVERY`] for each consumer, on one
+//! schedule for all of a host's processors. The key's order holds meanwhile: its head is its
+//! first unprocessed event, held or not.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -55,8 +55,8 @@ pub struct Processor {
     /// while the others' events go on.
     pub failing: std::sync::Mutex<std::collections::HashMap<String, (u32, Instant)>>,
     /// When each consumer's keys named for freeing are next looked at (see
-    /// [`super::Freeing`]).
-    pub freeing: super::Freeing,
+    /// [`super::Freeing`]): one schedule for all of a host's processors.
+    pub freeing: Arc<super::Freeing>,
 }
 
 /// What one step did.
