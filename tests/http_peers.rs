@@ -463,6 +463,26 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
     host.shutdown().await;
 }
 
+/// One body's bound in the body budget tests.
+const BODY: usize = 64 * 1024;
+
+/// A host with the testbed plugin, bodies of up to [`BODY`], and room in flight for two.
+async fn host_with_room_for_two_bodies() -> TestHost {
+    spawn_host_with(&["testbed"], |c| {
+        c.http.max_body_bytes = BODY;
+        c.http.max_body_bytes_in_flight = 2 * BODY;
+    })
+    .await
+}
+
+/// The head of a testbed `emit` command whose body is `length` bytes long.
+fn head(length: usize) -> String {
+    format!(
+        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {length}\r\n\r\n"
+    )
+}
+
 /// Request bodies in flight are bounded for the whole host, not only one by one: with room
 /// for two 64 KiB bodies, a third request with a 64 KiB body is answered 503 `busy` while two
 /// peers hold theirs all but sent; a request without a body is still served; and once a peer
@@ -472,18 +492,7 @@ async fn peers_that_keep_their_connections_busy_do_not_lock_out_other_callers() 
 /// is answered at once, not asked to upload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
-    const BODY: usize = 64 * 1024;
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.http.max_body_bytes = BODY;
-        c.http.max_body_bytes_in_flight = 2 * BODY;
-    })
-    .await;
-    let head = |length: usize| {
-        format!(
-            "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Content-Length: {length}\r\n\r\n"
-        )
-    };
+    let host = host_with_room_for_two_bodies().await;
     let mut trickling = Vec::new();
     for _ in 0..2 {
         let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
@@ -537,20 +546,11 @@ async fn request_bodies_in_flight_are_bounded_for_the_whole_host() {
 /// long as the heads waited (`http.request_timeout`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heads_whose_bodies_never_come_hold_no_budget() {
-    const BODY: usize = 64 * 1024;
-    let host = spawn_host_with(&["testbed"], |c| {
-        c.http.max_body_bytes = BODY;
-        c.http.max_body_bytes_in_flight = 2 * BODY;
-    })
-    .await;
+    let host = host_with_room_for_two_bodies().await;
     let mut silent = Vec::new();
     for _ in 0..4 {
         let mut peer = TcpStream::connect(host.host.addr).await.unwrap();
-        let head = format!(
-            "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Content-Length: {BODY}\r\n\r\n"
-        );
-        peer.write_all(head.as_bytes()).await.unwrap();
+        peer.write_all(head(BODY).as_bytes()).await.unwrap();
         silent.push(peer);
     }
     // Their heads have arrived (a second is ample).
@@ -562,12 +562,8 @@ async fn heads_whose_bodies_never_come_hold_no_budget() {
     // One that waits for `100 Continue` and fits is invited to upload, and served.
     let mut waiting = TcpStream::connect(host.host.addr).await.unwrap();
     let body = r#"{"id":"continued","topic":"testbed.events"}"#;
-    let head = format!(
-        "POST /v1/commands/testbed/emit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
-        body.len()
-    );
-    waiting.write_all(head.as_bytes()).await.unwrap();
+    let expecting = head(body.len()).replace("\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n");
+    waiting.write_all(expecting.as_bytes()).await.unwrap();
     let invited = answer_of(&mut waiting).await;
     assert!(invited.starts_with("HTTP/1.1 100 Continue"), "{invited}");
     waiting.write_all(body.as_bytes()).await.unwrap();
