@@ -503,3 +503,48 @@ async fn a_result_that_is_small_on_the_wire_and_large_as_values_is_cut_off() {
     assert_eq!(status, 200, "{body}");
     host.shutdown().await;
 }
+
+/// The host process's peak resident memory since the last call (the kernel's high-water
+/// mark, reset by the call): what a buffer held for a moment and let go of shows here.
+fn peak_rss_then_reset() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    kb * 1024
+}
+
+/// One value, or one error quoting it, of 300 MB: sqlx reads a message whole before the host
+/// sees any of it, so the result's bound came too late: the host held each of them whole, at
+/// its peak (the value) or for as long as the session stayed pooled (the error). The
+/// sessions' guard ends the connection past its limit instead, and the plugin is told why.
+#[tokio::test]
+async fn a_single_huge_value_or_error_is_cut_off_without_growing_the_host() {
+    let host = spawn_host_with(&["testbed"], |c| {
+        c.limits.max_result_bytes = 8 * 1024 * 1024;
+        // The sessions' limit is then about 9 MiB (`Config::plugin_answer_bytes`).
+        c.consumer.batch_max_events = 1;
+        // Time for Postgres to make the value and its error.
+        c.limits.call_deadline = Duration::from_secs(10);
+        c.limits.statement_timeout = Duration::from_secs(8);
+    })
+    .await;
+    for sql in ["SELECT repeat('x', 300000000)", "SELECT repeat('x', 300000000)::int"] {
+        let before = rss();
+        peak_rss_then_reset();
+        let (status, body) = run(&host, sql, json!([])).await;
+        let peak = peak_rss_then_reset().saturating_sub(before);
+        assert_eq!((status, body.as_str()), (409, Some("limit")), "{sql}: {body}");
+        // sqlx copies what it reads of a message once: twice the limit, and room for what
+        // the other tests of this file hold at once.
+        assert!(
+            peak < 96 * 1024 * 1024,
+            "{sql}: the host grew by {} MB at its peak",
+            peak / 1024 / 1024
+        );
+    }
+    abandoned_and_the_plugin_works_on(host).await;
+}

@@ -11,6 +11,7 @@
 //!   sessions ([`sessions`]).
 
 pub mod embedded;
+pub mod guard;
 pub mod installation;
 pub mod literal;
 pub mod locks;
