@@ -82,12 +82,7 @@ pub async fn start(mut config: Config) -> Result<Host> {
     for advice in config.advice() {
         tracing::warn!("{advice}");
     }
-    let sessions = Arc::new(Sessions::new(
-        &url,
-        pool.clone(),
-        &config.database,
-        config.plugin_session_guard(),
-    )?);
+    let sessions = Arc::new(Sessions::new(&url, pool.clone(), &config.database)?);
 
     let runtime = Runtime::new(config.limits.clone(), CacheSettings::of(&config.plugins))?;
     let registry = Arc::new(Registry::new(sessions.clone()));

@@ -261,12 +261,6 @@ pub struct DatabaseConfig {
     /// How long a call waits for a free connection before it is refused with 503.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
-    /// Plugin sessions reach the server through a relay in the host's process that ends a
-    /// session sent more than [`Config::plugin_answer_bytes`] in answer to one request
-    /// (`db::guard`): without it, one value or error message of up to a gigabyte that a
-    /// plugin's statement makes the server send is held whole by the host. It costs each
-    /// round trip a hop (docs/benchmarks.md). Turn it off only for plugins you trust.
-    pub guard_plugin_sessions: bool,
 }
 
 impl Default for DatabaseConfig {
@@ -277,7 +271,6 @@ impl Default for DatabaseConfig {
             plugin_max_connections: 8,
             plugin_role_connections: 64,
             acquire_timeout: Duration::from_secs(5),
-            guard_plugin_sessions: true,
         }
     }
 }
@@ -847,26 +840,6 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// [`Config::plugin_answer_bytes`] if plugin sessions are guarded.
-    pub fn plugin_session_guard(&self) -> Option<usize> {
-        self.database.guard_plugin_sessions.then(|| self.plugin_answer_bytes())
-    }
-
-    /// The most a plugin session may be sent in answer to one request, when
-    /// `database.guard_plugin_sessions` is on: room for the largest answer the host reads on
-    /// such a session, and a MiB for the protocol's own bytes. A plugin's query result is
-    /// held to `limits.max_result_bytes` as values, which take more than the 4 bytes a value
-    /// and the 7 a row add on the wire. The host's own answers are an inbox batch, a timer
-    /// batch and a stored command answer, of JSON stored as `jsonb`, whose text may be half
-    /// again as long as what was stored (`[1,1]` comes back as `[1, 1]`): twice their bound.
-    pub fn plugin_answer_bytes(&self) -> usize {
-        let consumer = &self.consumer;
-        let inbox_batch = (consumer.batch_max_events as usize).saturating_mul(consumer.max_message_bytes);
-        let timer_batch = consumer.batch_max_bytes.saturating_add(self.limits.max_payload_bytes);
-        let jsonb = inbox_batch.max(timer_batch).saturating_mul(2);
-        self.limits.max_result_bytes.max(jsonb).saturating_add(1024 * 1024)
-    }
-
     /// Loads defaults, then `file` if given, then the environment.
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
@@ -1231,19 +1204,6 @@ mod tests {
     }
 
     /// A managed Kafka's client snippet that repeats what OBX sets anyway is accepted.
-    #[test]
-    fn a_plugin_sessions_answer_bound_leaves_room_for_every_answer_the_host_reads_there() {
-        let mut c = Config::default();
-        assert_eq!(c.plugin_session_guard(), Some(65 * 1024 * 1024));
-        c.limits.max_result_bytes = 200 * 1024 * 1024;
-        assert_eq!(c.plugin_answer_bytes(), 201 * 1024 * 1024);
-        c.consumer.max_message_bytes = 8 * 1024 * 1024;
-        c.consumer.batch_max_events = 64;
-        assert_eq!(c.plugin_answer_bytes(), (2 * 64 * 8 + 1) * 1024 * 1024);
-        c.database.guard_plugin_sessions = false;
-        assert_eq!(c.plugin_session_guard(), None);
-    }
-
     #[test]
     fn kafka_properties_that_repeat_obx_own_values_are_accepted() {
         let mut c = Config::default();

@@ -293,7 +293,7 @@ impl Scratch {
         };
         let pool = crate::db::connect(&url, &config.database).await?;
         crate::db::migrate(&pool).await?;
-        let sessions = Sessions::new(&url, pool.clone(), &config.database, config.plugin_session_guard())?;
+        let sessions = Sessions::new(&url, pool.clone(), &config.database)?;
         Ok(Scratch {
             sessions,
             pool,

@@ -11,7 +11,6 @@
 //!   sessions ([`sessions`]).
 
 pub mod embedded;
-pub mod guard;
 pub mod installation;
 pub mod literal;
 pub mod locks;

@@ -31,9 +31,6 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection, PgPool, Postgres, Row};
 
-use anyhow::Context;
-
-use super::guard::{Cuts, Guard, Upstream};
 use super::login::Login;
 use crate::config::DatabaseConfig;
 
@@ -47,22 +44,12 @@ pub struct Sessions {
     max_connections: u32,
     role_connection_limit: u32,
     acquire_timeout: Duration,
-    pools: Mutex<HashMap<String, PluginPool>>,
-    /// Where the server is, and the most a session may be sent in answer to one request,
-    /// if plugin sessions are guarded ([`super::guard`]).
-    guard: Option<(Upstream, usize)>,
+    pools: Mutex<HashMap<String, (Login, PgPool)>>,
     /// When each plugin's password was last set anew (see [`Sessions::begin`]).
     rotated: Mutex<HashMap<String, std::time::Instant>>,
     /// Held while a password is set anew, so that a call that met the refusal meanwhile
     /// waits for the new login rather than trying the old one again.
     rotating: tokio::sync::Mutex<()>,
-}
-
-/// A plugin's login, its pool of sessions, and their guard if they are guarded.
-struct PluginPool {
-    login: Login,
-    pool: PgPool,
-    guard: Option<Arc<Guard>>,
 }
 
 /// Why a plugin session could not be had.
@@ -177,17 +164,10 @@ pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
 const BEGIN_ATTEMPTS: usize = 3;
 
 impl Sessions {
-    /// Sessions of the server at `database_url`; guarded with `answer_limit` if it is given.
-    pub fn new(
-        database_url: &str,
-        host: PgPool,
-        config: &DatabaseConfig,
-        answer_limit: Option<usize>,
-    ) -> anyhow::Result<Sessions> {
+    pub fn new(database_url: &str, host: PgPool, config: &DatabaseConfig) -> anyhow::Result<Sessions> {
         let base =
             PgConnectOptions::from_str(database_url).map_err(|e| anyhow::anyhow!("parsing the database URL: {e}"))?;
         Ok(Sessions {
-            guard: answer_limit.map(|limit| (Upstream::of(&base), limit)),
             base,
             host,
             max_connections: config.plugin_max_connections,
@@ -200,25 +180,15 @@ impl Sessions {
     }
 
     /// Records how plugin `name` logs in. A new login (a new role or password) gets a new
-    /// pool; the old one closes once its sessions are returned. Fails only if the pool's
-    /// guard cannot listen.
-    pub fn register(&self, name: &str, login: Login) -> anyhow::Result<()> {
+    /// pool; the old one closes once its sessions are returned.
+    pub fn register(&self, name: &str, login: Login) {
         let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
-        if pools.get(name).is_some_and(|current| current.login == login) {
-            return Ok(());
+        if pools.get(name).is_some_and(|(current, _)| *current == login) {
+            return;
         }
-        let guard = match &self.guard {
-            Some((upstream, limit)) => Some(Arc::new(
-                Guard::open(upstream.clone(), self.base.get_port(), *limit, name.into())
-                    .context("opening the guard of the plugin's sessions")?,
-            )),
-            None => None,
-        };
-        let mut options = self.base.clone();
-        if let Some(guard) = &guard {
-            options = options.socket(guard.socket_dir());
-        }
-        let options = options
+        let options = self
+            .base
+            .clone()
             .username(&login.role)
             .password(&login.password)
             .application_name(&format!("obx:{name}"))
@@ -237,15 +207,9 @@ impl Sessions {
             .idle_timeout(Duration::from_secs(60))
             .acquire_timeout(self.acquire_timeout)
             .connect_lazy_with(options);
-        if let Some(old) = pools.insert(name.to_string(), PluginPool { login, pool, guard }) {
-            let PluginPool { pool, guard, .. } = old;
-            tokio::spawn(async move {
-                pool.close().await;
-                // Accepts no new connection from here; relayed ones run until they end.
-                drop(guard);
-            });
+        if let Some((_, old)) = pools.insert(name.to_string(), (login, pool)) {
+            tokio::spawn(async move { old.close().await });
         }
-        Ok(())
     }
 
     /// The most sessions a plugin's role may have, across all hosts (its `CONNECTION LIMIT`).
@@ -303,8 +267,8 @@ impl Sessions {
                 password
             }
         };
-        self.register(name, login)
-            .map_err(|e| SessionError::Rotate(format!("{e:#}")))
+        self.register(name, login);
+        Ok(())
     }
 
     fn login(&self, name: &str) -> Result<Login, SessionError> {
@@ -312,24 +276,17 @@ impl Sessions {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
-            .map(|p| p.login.clone())
+            .map(|(login, _)| login.clone())
             .ok_or_else(|| SessionError::Unknown(name.to_string()))
     }
 
     async fn try_begin(&self, name: &str, then: &str) -> Result<(PluginTx, Vec<PgRow>), SessionError> {
-        let (role, commit_within, pool, cuts) = self
+        let (role, commit_within, pool) = self
             .pools
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
-            .map(|p| {
-                (
-                    Arc::<str>::from(p.login.role.as_str()),
-                    p.login.commit_within,
-                    p.pool.clone(),
-                    p.guard.as_ref().map(|g| g.cuts().clone()),
-                )
-            })
+            .map(|(login, pool)| (Arc::<str>::from(login.role.as_str()), login.commit_within, pool.clone()))
             .ok_or_else(|| SessionError::Unknown(name.to_string()))?;
         let mut last_gone = None;
         // Sessions are not pinged before use, so after a server restart every idle one is
@@ -370,7 +327,6 @@ impl Sessions {
                         undo_to: None,
                         commit_within,
                         committing: None,
-                        cuts: cuts.clone(),
                     };
                     return Ok((tx, rows));
                 }
@@ -406,7 +362,7 @@ impl Sessions {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
-            .map(|p| p.pool.clone())
+            .map(|(_, p)| p.clone())
             .collect();
         for pool in pools {
             pool.close().await;
@@ -493,8 +449,6 @@ pub struct PluginTx {
     at_commit_statements: usize,
     /// A savepoint the commit rolls back to first, before its check.
     undo_to: Option<&'static str>,
-    /// What the guard of the plugin's sessions ended, if they are guarded.
-    cuts: Option<Arc<Cuts>>,
     /// The longest the commit's round trip may take ([`Login::commit_within`]).
     commit_within: Duration,
     /// When the commit's round trip was sent, while it runs: dropped then (a request whose
@@ -638,13 +592,6 @@ impl PluginTx {
     }
 
     /// Whether the session was abandoned: it takes no more statements.
-    /// Whether the guard ended a session of this plugin at `since` or later, for sending it
-    /// more than the limit in answer to one request: a statement sent then that failed on a
-    /// closed connection was most likely the one.
-    pub fn answer_cut_since(&self, since: Instant) -> Option<usize> {
-        self.cuts.as_ref().filter(|c| c.since(since)).map(|c| c.limit())
-    }
-
     pub fn is_poisoned(&self) -> bool {
         self.poisoned
     }

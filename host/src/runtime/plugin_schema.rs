@@ -47,7 +47,7 @@ pub async fn prepare(
 ) -> Result<(), SchemaError> {
     let result = async {
         let login = provision(pool, manifest, limits, sessions.role_connection_limit()).await?;
-        sessions.register(&manifest.name, login)?;
+        sessions.register(&manifest.name, login);
         // Dropped past the deadline, the session is closed, and its backend stops.
         tokio::time::timeout(MIGRATION_DEADLINE, migrate(sessions, manifest, limits.max_relations))
             .await

@@ -145,20 +145,6 @@ impl CallState {
                 }
             }
         };
-        let result = match result {
-            // The guard of the plugin's sessions ended this one, for the size of its answer.
-            Err(SqlError::Database(d)) if d.code == CONNECTION_FAILED => match tx.answer_cut_since(sent) {
-                Some(limit) => {
-                    abandoned = true;
-                    Err(SqlError::Limit(format!(
-                        "the server's answer to the statement passed {limit} bytes, the most a plugin \
-                         session may be sent at once; select less"
-                    )))
-                }
-                None => Err(SqlError::Database(d)),
-            },
-            other => other,
-        };
         if abandoned {
             // The rest of the result is still coming: never read it. Read later, by the
             // rollback after the failed call, it was read outside the call's slot and
@@ -199,9 +185,6 @@ fn describe(e: &SqlError) -> String {
 /// copied and logged whole, more than once.
 const MAX_DB_MESSAGE: usize = 4096;
 
-/// The SQLSTATE of a statement whose connection failed under it (`connection_failure`).
-const CONNECTION_FAILED: &str = "08006";
-
 fn map_error(e: sqlx::Error) -> SqlError {
     match e {
         sqlx::Error::Database(db) => {
@@ -226,7 +209,7 @@ fn map_error(e: sqlx::Error) -> SqlError {
             SqlError::Invalid(clipped(&e.to_string(), MAX_DB_MESSAGE).into_owned())
         }
         _ => SqlError::Database(DatabaseError {
-            code: CONNECTION_FAILED.into(),
+            code: "08006".into(),
             message: "the connection to the database failed".into(),
             constraint: None,
         }),
