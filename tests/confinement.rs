@@ -873,6 +873,38 @@ async fn a_plugin_cannot_emit_another_plugins_event_ids() {
     host.shutdown().await;
 }
 
+/// `jsonb` prints every number in full, and the relay publishes a payload as `jsonb` prints
+/// it: 90 KB of `1e131071` prints as 1.3 GB, past what Postgres can print. Such an event was
+/// stored, and every claim of its relay shard failed on it, so no plugin's event on that
+/// shard was published again. The database now refuses it (migration 0035), and the host
+/// before it, with the reason; the relay keeps flowing.
+#[tokio::test]
+async fn a_payload_that_prints_past_its_bound_is_refused_and_the_relay_flows_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let numbers = |n: usize| format!("[{}1]", "1e131071,".repeat(n - 1));
+    // Through the outbox import: refused at the emit, nothing of the call committed.
+    let a = host
+        .command("testbed", "emit", json!({ "id": "wide", "payload_text": numbers(600) }))
+        .await;
+    assert_eq!((a.status, a.code()), (500, "transaction_aborted"), "{}", a.text);
+    // Straight from the plugin's session: the database refuses it too.
+    let mut s = host.plugin_session("testbed").await;
+    let event = |payload: &str| {
+        format!(
+            "SELECT obx_api.emit('1', NULL, ARRAY[gen_random_uuid()], ARRAY['Item'], ARRAY['i'], \
+             ARRAY['ItemEmitted'], ARRAY['{payload}'], ARRAY['testbed.events'], ARRAY['k'])"
+        )
+    };
+    let refused = sqlx::query(&event(&numbers(600))).execute(&mut s).await.unwrap_err();
+    assert!(refused.to_string().contains("as jsonb prints it"), "{refused}");
+    // Past what Postgres can print: the check itself fails, and the emit with it.
+    sqlx::query(&event(&numbers(10_000))).execute(&mut s).await.unwrap_err();
+    s.close().await.unwrap();
+    assert_eq!(host.count("SELECT count(*) FROM obx.outbox_event").await, 0);
+    an_event_emitted_now_is_published(&host).await;
+    host.shutdown().await;
+}
+
 /// Called straight from a plugin session, `obx_api.emit_calls` (what the host calls),
 /// `obx_api.emit_each` and `obx_api.emit` (kept for hosts of previous versions, written on
 /// it) refuse each bad

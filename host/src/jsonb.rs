@@ -25,31 +25,44 @@ const MAX_EXPONENT: i64 = i32::MAX as i64 / 2;
 
 /// Why `json` (already known to be valid JSON) cannot be stored as `jsonb`, if it cannot.
 pub fn refusal(json: &str) -> Option<&'static str> {
+    printed_len(json).err()
+}
+
+/// How many bytes `jsonb` prints `json` as (already known to be valid JSON), at most; or why it
+/// cannot be stored. What is read back from a `jsonb` column is this text: the relay publishes
+/// it, and inbox and timer claims read it. It prints a string as written or shorter (an escape
+/// such as `\u00e9` becomes the character), a space after each `,` and `:`, no other
+/// whitespace, and every number in full, as `numeric` does: the 9 bytes of `1e131071` print
+/// as 131,072 digits, so 10,000 of them made a value Postgres could not print at all.
+pub fn printed_len(json: &str) -> Result<usize, &'static str> {
     let bytes = json.as_bytes();
-    let (mut i, mut depth) = (0, 0usize);
+    let (mut i, mut depth, mut printed) = (0, 0usize, 0usize);
     while i < bytes.len() {
-        let next = match bytes[i] {
-            b'"' => string_end(bytes, i + 1),
-            b'-' | b'0'..=b'9' => number_end(bytes, i),
+        let (end, len) = match bytes[i] {
+            b'"' => {
+                let end = string_end(bytes, i + 1)?;
+                (end, end - i)
+            }
+            b'-' | b'0'..=b'9' => number(bytes, i)?,
             b'[' | b'{' => {
                 depth += 1;
                 if depth > MAX_DEPTH {
-                    return Some(DEPTH);
+                    return Err(DEPTH);
                 }
-                Ok(i + 1)
+                (i + 1, 1)
             }
             b']' | b'}' => {
                 depth = depth.saturating_sub(1);
-                Ok(i + 1)
+                (i + 1, 1)
             }
-            _ => Ok(i + 1),
+            b',' | b':' => (i + 1, 2),
+            b' ' | b'\t' | b'\n' | b'\r' => (i + 1, 0),
+            _ => (i + 1, 1),
         };
-        match next {
-            Ok(end) => i = end,
-            Err(reason) => return Some(reason),
-        }
+        i = end;
+        printed = printed.saturating_add(len);
     }
-    None
+    Ok(printed)
 }
 
 /// Where the value read ends, or why it cannot be stored.
@@ -85,8 +98,9 @@ fn string_end(bytes: &[u8], mut i: usize) -> Step {
     Ok(bytes.len())
 }
 
-/// Where the number starting at `i` ends, or why `numeric` cannot hold it.
-fn number_end(bytes: &[u8], start: usize) -> Step {
+/// Where the number starting at `start` ends and how long `numeric` prints it, or why
+/// `numeric` cannot hold it.
+fn number(bytes: &[u8], start: usize) -> Result<(usize, usize), &'static str> {
     let mut i = start + usize::from(bytes[start] == b'-');
     let digits = |i: usize| bytes[i..].iter().take_while(|b| b.is_ascii_digit()).count();
     let int_len = digits(i);
@@ -114,13 +128,18 @@ fn number_end(bytes: &[u8], start: usize) -> Step {
         }
         i += len;
     }
-    fits_numeric(int, frac, exponent).map(|()| i)
+    let (weight, scale) = fits_numeric(int, frac, exponent)?;
+    // A sign, the digits before the point (at least a 0), and the point and the scale's.
+    let before = weight.map_or(1, |w| (w + 1).max(1));
+    let after = if scale > 0 { scale + 1 } else { 0 };
+    Ok((i, usize::from(bytes[start] == b'-') + (before + after) as usize))
 }
 
 /// Whether `numeric` holds the number `int.frac` × 10^`exponent`, as Postgres decides it: the
 /// scale (digits after the point, trailing zeros too) counts even for zero, the weight (the
 /// power of ten of the first digit that is not zero) only for a number that is not zero.
-fn fits_numeric(int: &[u8], frac: &[u8], exponent: i64) -> Result<(), &'static str> {
+/// Returns the weight (`None` for zero) and the scale.
+fn fits_numeric(int: &[u8], frac: &[u8], exponent: i64) -> Result<(Option<i64>, i64), &'static str> {
     if exponent.abs() >= MAX_EXPONENT {
         return Err(NUMBER);
     }
@@ -130,7 +149,7 @@ fn fits_numeric(int: &[u8], frac: &[u8], exponent: i64) -> Result<(), &'static s
     if scale > MAX_SCALE || weight.is_some_and(|w| w > MAX_DECIMAL_WEIGHT) {
         return Err(NUMBER);
     }
-    Ok(())
+    Ok((weight, scale))
 }
 
 fn hex(four: &[u8]) -> Option<u32> {
@@ -146,7 +165,38 @@ const NUMBER: &str = "it holds a number beyond the range of Postgres's numeric (
 
 #[cfg(test)]
 mod tests {
-    use super::refusal;
+    use super::{printed_len, refusal};
+
+    /// Postgres 15's `octet_length('…'::jsonb::text)` of each: what the relay publishes and a
+    /// claim reads back.
+    #[test]
+    fn the_printed_length_is_what_postgres_prints_or_more() {
+        let exact = [
+            (r#"{"a":1,"b":[1,2]}"#, 21),
+            ("1e131071", 131_072),
+            ("0.001e131074", 131_072),
+            ("4.9E-324", 327),
+            ("-0.5E+3", 4),
+            ("1.50", 4),
+            ("0e999999", 1),
+            ("1e-5", 7),
+            ("2E+10", 11),
+            ("  [ 1 , 2 ]  ", 6),
+            ("123.456e-2", 7),
+            (r#"{"n": -12.75, "m": [0, 1e-5, 2E+10]}"#, 45),
+            ("0.000", 5),
+            ("100e-2", 4),
+        ];
+        for (json, printed) in exact {
+            assert_eq!(printed_len(json), Ok(printed), "{json}");
+        }
+        // Printed shorter than counted: an escape becomes its character, -0 becomes 0.
+        for (json, printed) in [(r#""\u00e9""#, 4), ("-0", 1)] {
+            assert!(printed_len(json).unwrap() >= printed, "{json}");
+        }
+        let many = format!("[{}1]", "1e131071,".repeat(9_999));
+        assert!(printed_len(&many).unwrap() > 1 << 30, "what Postgres cannot print");
+    }
 
     #[test]
     fn a_nul_escape_is_refused_wherever_it_is_and_escaped_text_is_not() {

@@ -17,7 +17,7 @@ use sqlx::Row;
 use crate::db::sessions::Sessions;
 
 /// The most events one transaction frees (about 0.2 s of Postgres's time here).
-pub const PART: i32 = 10_000;
+const PART: i32 = 10_000;
 /// The fewest: a part that fails (past `limits.statement_timeout` on a slow database) is
 /// tried again a quarter the size, down to this, and parts grow again to half the smallest
 /// that failed at most.

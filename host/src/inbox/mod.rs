@@ -121,8 +121,19 @@ impl Incoming {
         let (event_id, event_type) = identity(&headers).map_err(q)?;
         let payload = std::str::from_utf8(value).map_err(|_| q("the value is not UTF-8".into()))?;
         serde_json::from_str::<serde::de::IgnoredAny>(payload).map_err(|e| q(format!("the value is not JSON: {e}")))?;
-        if let Some(reason) = crate::jsonb::refusal(payload) {
-            return Err(q(format!("the value cannot be stored: {reason}")));
+        // Read back (an inbox claim) as `jsonb` prints it, every number in full: 5 KB of
+        // `1e131071` prints as 65 MB, 90 KB as more than Postgres can print, and a claim that
+        // reached it failed for ever. Twice the bound leaves room for the space `jsonb` puts
+        // after each `,` and `:`.
+        match crate::jsonb::printed_len(payload) {
+            Err(reason) => return Err(q(format!("the value cannot be stored: {reason}"))),
+            Ok(printed) if printed > max_bytes.saturating_mul(2) => {
+                return Err(q(format!(
+                    "the value is {printed} bytes as jsonb prints it (numbers in full: 1e100 as 101 digits), \
+                     over twice the limit of {max_bytes}"
+                )))
+            }
+            Ok(_) => {}
         }
         if let Some(name) = headers
             .iter()
@@ -344,6 +355,18 @@ mod tests {
         assert!(message_bytes(&m) >= 2000 * HEADER_OVERHEAD);
         let refused = Incoming::parse(&m, 1 << 20, "").unwrap_err();
         assert!(refused.0.contains("2002 headers"), "{refused}");
+    }
+
+    /// 5 KB of `1e131071` prints as 65 MB of `jsonb`, which every inbox claim of it read.
+    #[test]
+    fn a_value_that_prints_past_twice_its_bound_is_quarantined() {
+        let headers = [("eventId", ID), ("eventType", &b"X"[..])];
+        let wide = format!("[{}1]", "1e131071,".repeat(20));
+        let refused = Incoming::parse(&message(None, Some(wide.as_bytes()), &headers), 1 << 20, "").unwrap_err();
+        assert!(refused.0.contains("as jsonb prints it"), "{refused}");
+        // Compact JSON prints half again as long (`1,1` as `1, 1`): taken.
+        let compact = format!("[{}1]", "1,".repeat(1000));
+        assert!(Incoming::parse(&message(None, Some(compact.as_bytes()), &headers), 2003, "").is_ok());
     }
 
     /// rdkafka's own header reader panicked on this, ending the consumer on every host.

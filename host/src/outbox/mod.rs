@@ -159,8 +159,17 @@ impl RawEvent {
         if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&self.payload) {
             return Err(EventError::Invalid(format!("payload is not valid JSON: {e}")));
         }
-        if let Some(reason) = crate::jsonb::refusal(&self.payload) {
-            return Err(EventError::Invalid(format!("payload cannot be stored: {reason}")));
+        // The relay publishes the payload as `jsonb` prints it, numbers in full: that is held
+        // to the bound too (as `obx_api.emit_calls` holds it, migration 0035).
+        match crate::jsonb::printed_len(&self.payload) {
+            Err(reason) => return Err(EventError::Invalid(format!("payload cannot be stored: {reason}"))),
+            Ok(printed) if printed > max_payload_bytes => {
+                return Err(EventError::TooLarge(format!(
+                    "payload is {printed} bytes as jsonb prints it (numbers in full: 1e100 as 101 digits), \
+                     over the limit of {max_payload_bytes}"
+                )))
+            }
+            Ok(_) => {}
         }
         let partition_key = self.partition_key.unwrap_or_else(|| self.aggregate_id.clone());
         Ok(NewEvent {
@@ -276,6 +285,14 @@ mod tests {
                     ..raw()
                 },
                 "beyond the range of Postgres's numeric",
+            ),
+            (
+                // 80 bytes as written, 1,048,592 as jsonb prints it.
+                RawEvent {
+                    payload: format!("[{}1e131071]", "1e131071,".repeat(7)),
+                    ..raw()
+                },
+                "1048592 bytes as jsonb prints it",
             ),
             (
                 RawEvent {
