@@ -11,6 +11,11 @@
 -- it calls it (host/src/jsonb.rs), with the reason. emit_calls is restated whole (CREATE OR
 -- REPLACE keeps its grants); it gains that check, and parses each payload once, and nothing
 -- else changes.
+--
+-- Events stored before, still to be published, whose numbers alone print past their plugin's
+-- bound are set aside, as the relay sets aside a row the broker refuses for good: their keys
+-- move on, and they stay for an operator to see. Each number is printed on its own (at most
+-- about 147 KB), so finding them never prints a whole payload.
 
 CREATE OR REPLACE FUNCTION obx_api.emit_calls(
     p_version text, p_calls integer[], p_traceparents text[], p_event_ids uuid[],
@@ -151,3 +156,19 @@ BEGIN
     RAISE EXCEPTION 'emit refused: %', coalesce(v_bad, 'an event was not written')
         USING ERRCODE = 'insufficient_privilege';
 END $$;
+
+INSERT INTO obx.outbox_delivery_failure
+    (outbox_id, topic, partition_key, attempts, last_error, next_attempt_at, set_aside)
+SELECT o.id, o.topic, o.partition_key, 1,
+       'its payload prints past limits.max_payload_bytes as jsonb prints it (numbers in full); '
+       'set aside by migration 0035',
+       'infinity', true
+FROM obx.outbox_event o
+LEFT JOIN obx.plugin p ON p.name = o.plugin_name
+WHERE o.published_at IS NULL
+  AND (SELECT coalesce(sum(octet_length(n::text)), 0)
+         FROM jsonb_path_query(o.payload, 'strict $.** ? (@.type() == "number")') AS n)
+      > coalesce(p.max_payload_bytes, 983040)
+ON CONFLICT (outbox_id) DO UPDATE SET
+    set_aside = true, next_attempt_at = 'infinity', last_error = EXCLUDED.last_error,
+    updated_at = now();

@@ -30,7 +30,7 @@ pub fn refusal(json: &str) -> Option<&'static str> {
 
 /// How many bytes `jsonb` prints `json` as (already known to be valid JSON), at most; or why it
 /// cannot be stored. What is read back from a `jsonb` column is this text: the relay publishes
-/// it, and inbox and timer claims read it. It prints a string as written or shorter (an escape
+/// it, and inbox claims read it. It prints a string as written or shorter (an escape
 /// such as `\u00e9` becomes the character), a space after each `,` and `:`, no other
 /// whitespace, and every number in full, as `numeric` does: the 9 bytes of `1e131071` print
 /// as 131,072 digits, so 10,000 of them made a value Postgres could not print at all.
