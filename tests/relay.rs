@@ -838,6 +838,54 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     host.shutdown().await;
 }
 
+/// A stored row whose payload Postgres cannot print (`jsonb` prints numbers in full: 8,200 of
+/// `1e131071` print past a gigabyte), which `obx_api.emit_calls` refuses since migration 0035
+/// and which came in another way (here: written by hand). Every claim of its shard failed on
+/// it ("out of memory"), and nothing on that shard was published again. The relay now sets it
+/// aside and its key moves on. Postgres builds about a gigabyte twice in this test.
+#[tokio::test]
+async fn a_row_whose_payload_postgres_cannot_print_is_set_aside_and_its_key_moves_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let t = topic("events");
+    sqlx::query(
+        "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
+                                       partition_key, plugin_name, plugin_version) \
+         VALUES (gen_random_uuid(), 'Item', 'k', 'ItemEmitted', ('[' || repeat('1e131071,', 8200) || '1]')::jsonb, \
+                 $1, 'k', 'testbed', 'old')",
+    )
+    .bind(&t)
+    .execute(&host.db)
+    .await
+    .unwrap();
+    let a = host
+        .command(
+            "testbed",
+            "emit",
+            json!({ "id": "after", "topic": t, "key": "k", "count": 2 }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    eventually(
+        Duration::from_secs(60),
+        "the later rows of the key are published",
+        || async {
+            host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
+                .await
+                == 2
+        },
+    )
+    .await;
+    assert_eq!(
+        host.count(
+            "SELECT count(*) FROM obx.outbox_delivery_failure \
+             WHERE set_aside AND last_error LIKE 'Postgres cannot print its payload%'"
+        )
+        .await,
+        1
+    );
+    host.shutdown().await;
+}
+
 /// A host whose relay lingers 100 ms, so that each command's rows of a key go in one produce
 /// batch, however slow the machine.
 async fn batching_host(broker: &TestBroker) -> TestHost {

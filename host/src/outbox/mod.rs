@@ -10,6 +10,7 @@
 pub mod notifier;
 pub mod relay;
 pub mod replay;
+pub mod unprintable;
 pub mod writer;
 
 use sha2::{Digest, Sha256};

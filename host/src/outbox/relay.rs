@@ -62,6 +62,8 @@ use crate::kafka::Brokers;
 use crate::otel;
 use crate::trace::TraceContext;
 
+use super::unprintable;
+
 /// How many batches' worth of unanswered rows a relay keeps in flight, passed by.
 const STUCK_BATCHES: usize = 10;
 
@@ -109,6 +111,17 @@ pub(super) async fn mark_published<'c>(conn: impl sqlx::PgExecutor<'c>, ids: &[i
     .await?;
     Ok(())
 }
+
+/// The rows a claim may take, as a condition on `o`, with this relay's shards as `$1`: not
+/// published, and not behind a delivery failure of their key that waits (or set aside
+/// themselves).
+const CLAIMABLE: &str = "o.published_at IS NULL \
+     AND obx.outbox_shard(o.partition_key) = ANY($1) \
+     AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
+                     WHERE f.topic = o.topic AND f.partition_key = o.partition_key \
+                       AND f.outbox_id <= o.id \
+                       AND CASE WHEN f.set_aside THEN f.outbox_id = o.id \
+                                ELSE f.next_attempt_at > now() END)";
 
 pub const OUTBOX_ROW_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
      o.payload::text AS payload, o.topic, o.partition_key, o.created_at, \
@@ -564,23 +577,22 @@ impl Relay {
             )
             .await?;
         let claim = format!(
-            "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o \
-             WHERE o.published_at IS NULL \
-               AND obx.outbox_shard(o.partition_key) = ANY($1) \
-               AND NOT EXISTS (SELECT 1 FROM obx.outbox_delivery_failure f \
-                               WHERE f.topic = o.topic AND f.partition_key = o.partition_key \
-                                 AND f.outbox_id <= o.id \
-                                 AND CASE WHEN f.set_aside THEN f.outbox_id = o.id \
-                                          ELSE f.next_attempt_at > now() END) \
-             ORDER BY o.id \
-             LIMIT $2 \
-             FOR UPDATE OF o SKIP LOCKED"
+            "SELECT {OUTBOX_ROW_COLUMNS} FROM obx.outbox_event o WHERE {CLAIMABLE} \
+             ORDER BY o.id LIMIT $2 FOR UPDATE OF o SKIP LOCKED"
         );
         let rows = sqlx::query_as::<_, OutboxRow>(&claim)
             .bind(&shards)
             .bind(i64::from(st.claim_limit))
             .fetch(&mut *tx);
-        let (rows, cut) = within_bytes(rows, self.config.batch_max_bytes).await?;
+        let (rows, cut) = match within_bytes(rows, self.config.batch_max_bytes).await {
+            Ok(claimed) => claimed,
+            Err(e) if unprintable::failed_to_print(&e) => {
+                tx.rollback().await?;
+                unprintable::set_aside(conn, CLAIMABLE, &shards, st.claim_limit).await?;
+                return Ok(Outcome::More);
+            }
+            Err(e) => return Err(e.into()),
+        };
         let full = rows.len() as u32 >= st.claim_limit;
         st.claim_limit = next_claim_limit(
             st.claim_limit,
