@@ -588,7 +588,11 @@ impl Relay {
             Ok(claimed) => claimed,
             Err(e) if unprintable::failed_to_print(&e) => {
                 tx.rollback().await?;
-                unprintable::set_aside(conn, CLAIMABLE, &shards, st.claim_limit).await?;
+                // None set aside: the server is short of memory for another reason, and the
+                // step fails as any other, with its pause (not claimed again at once).
+                if unprintable::set_aside(conn, CLAIMABLE, &shards, st.claim_limit).await? == 0 {
+                    return Err(e.into());
+                }
                 return Ok(Outcome::More);
             }
             Err(e) => return Err(e.into()),
