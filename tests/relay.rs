@@ -797,34 +797,7 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     let host = spawn_host(&["testbed"]).await;
     let bootstrap = host.host.brokers.bootstrap.clone();
     let t = topic("events");
-    sqlx::query(
-        "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
-                                       partition_key, plugin_name, plugin_version) \
-         VALUES (gen_random_uuid(), 'Item', 'k', 'ItemEmitted', jsonb_build_object('pad', repeat('x', 2000000)), \
-                 $1, 'k', 'testbed', 'old')",
-    )
-    .bind(&t)
-    .execute(&host.db)
-    .await
-    .unwrap();
-    let a = host
-        .command(
-            "testbed",
-            "emit",
-            json!({ "id": "after", "topic": t, "key": "k", "count": 2 }),
-        )
-        .await;
-    assert_eq!(a.status, 200, "{}", a.text);
-    eventually(
-        Duration::from_secs(30),
-        "the later rows of the key are published",
-        || async {
-            host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
-                .await
-                == 2
-        },
-    )
-    .await;
+    rows_by_hand_then_two_emitted(&host, &t, &["jsonb_build_object('pad', repeat('x', 2000000))"], 2).await;
     let messages = consume(&bootstrap, &host.topic(&t), 2, Duration::from_secs(10)).await;
     assert_eq!(messages.len(), 2);
     assert_eq!(
@@ -838,27 +811,16 @@ async fn a_row_the_broker_refuses_for_good_is_set_aside_and_its_key_moves_on() {
     host.shutdown().await;
 }
 
-/// A stored row whose payload Postgres cannot print (`jsonb` prints numbers in full: 8,200 of
-/// `1e131071` print past a gigabyte), which `obx_api.emit_calls` refuses since migration 0035
-/// and which came in another way (here: written by hand, after a row of the same key). Every
-/// claim of its shard failed on it ("out of memory"), and nothing on that shard was published
-/// again. The relay now sets it aside, judged by its numbers without printing it whole, and
-/// its key moves on in order. Postgres builds about a gigabyte once, in the failed claim.
-#[tokio::test]
-async fn a_row_whose_payload_postgres_cannot_print_is_set_aside_and_its_key_moves_on() {
-    let host = spawn_host(&["testbed"]).await;
-    let bootstrap = host.host.brokers.bootstrap.clone();
-    let t = topic("events");
-    for payload in [
-        "'{\"first\": true}'::jsonb",
-        "('[' || repeat('1e131071,', 8200) || '1]')::jsonb",
-    ] {
+/// Writes a row of key `k` on topic `t` by hand for each of `payloads` (SQL expressions), in
+/// order, has testbed emit two more of the key, and waits until `published` rows are published.
+async fn rows_by_hand_then_two_emitted(host: &TestHost, t: &str, payloads: &[&str], published: i64) {
+    for payload in payloads {
         sqlx::query(&format!(
             "INSERT INTO obx.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, topic, \
                                            partition_key, plugin_name, plugin_version) \
              VALUES (gen_random_uuid(), 'Item', 'k', 'ItemEmitted', {payload}, $1, 'k', 'testbed', 'old')"
         ))
-        .bind(&t)
+        .bind(t)
         .execute(&host.db)
         .await
         .unwrap();
@@ -877,10 +839,28 @@ async fn a_row_whose_payload_postgres_cannot_print_is_set_aside_and_its_key_move
         || async {
             host.count("SELECT count(*) FROM obx.outbox_event WHERE published_at IS NOT NULL")
                 .await
-                == 3
+                == published
         },
     )
     .await;
+}
+
+/// A stored row whose payload Postgres cannot print (`jsonb` prints numbers in full: 8,200 of
+/// `1e131071` print past a gigabyte), which `obx_api.emit_calls` refuses since migration 0035
+/// and which came in another way (here: written by hand, after a row of the same key). Every
+/// claim of its shard failed on it ("out of memory"), and nothing on that shard was published
+/// again. The relay now sets it aside, judged by its numbers without printing it whole, and
+/// its key moves on in order. Postgres builds about a gigabyte once, in the failed claim.
+#[tokio::test]
+async fn a_row_whose_payload_postgres_cannot_print_is_set_aside_and_its_key_moves_on() {
+    let host = spawn_host(&["testbed"]).await;
+    let bootstrap = host.host.brokers.bootstrap.clone();
+    let t = topic("events");
+    let rows = [
+        "'{\"first\": true}'::jsonb",
+        "('[' || repeat('1e131071,', 8200) || '1]')::jsonb",
+    ];
+    rows_by_hand_then_two_emitted(&host, &t, &rows, 3).await;
     // One key, one partition: in the order the rows were written, the one set aside left out.
     let mut messages = consume(&bootstrap, &host.topic(&t), 3, Duration::from_secs(10)).await;
     messages.sort_by_key(|m| (m.partition, m.offset));
