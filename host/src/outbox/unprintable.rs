@@ -21,14 +21,7 @@ use sqlx::PgConnection;
 /// (`program_limit_exceeded`, "Cannot enlarge string buffer"), or any allocation
 /// (`out_of_memory`).
 pub fn failed_to_print(e: &sqlx::Error) -> bool {
-    matches!(code(e), Some("54000" | "53200"))
-}
-
-fn code(e: &sqlx::Error) -> Option<&str> {
-    match e {
-        sqlx::Error::Database(db) => db.try_downcast_ref::<PgDatabaseError>().map(PgDatabaseError::code),
-        _ => None,
-    }
+    matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|code| code == "54000" || code == "53200"))
 }
 
 /// Numbers whose printed text adds up to more than this make a payload Postgres cannot be
