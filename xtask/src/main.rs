@@ -6,6 +6,7 @@
 //! * `plugins` — builds the plugins only.
 //! * `bench` — the benchmarks (docs/benchmarks.md).
 //! * `chaos` — the fault-injection suite (docs/reliability.md).
+//! * `broker` — installs the Kafka-protocol broker the tests also run against (tansu), once.
 //!
 //! Each first makes sure what it needs is installed: the `wasm32-wasip2` target, and the
 //! Postgres server binaries (from the system's packages, when missing).
@@ -48,6 +49,10 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Install tansu, the broker `test` also runs the Kafka tests against (once; about 11
+    /// minutes on 2 cores). `test` installs it when missing; CI installs it first, so that
+    /// building it does not count against the test step's time.
+    Broker,
     /// Run the fault-injection suite (release build); see docs/reliability.md.
     Chaos {
         /// Arguments passed on to obx-chaos, e.g. `--kills 40 --report chaos.md`.
@@ -64,6 +69,7 @@ fn main() -> Result<()> {
     let root = workspace_root();
     match cli.command {
         Task::Plugins => build_plugins(&root).map(drop),
+        Task::Broker => ensure_tansu(),
         Task::Test { args } => {
             ensure_postgres()?;
             ensure_command("kcat", "kcat")?;
