@@ -1,13 +1,18 @@
-//! CPU time spent while a suite runs: this process's (the host runs in it), and every
-//! CPU's, so a run can say what a command cost in CPU as well as how many ran. On a machine
-//! whose disk or neighbours move the rate from run to run, the CPU per command moves less.
+//! CPU time spent while a suite runs: this process's (the host runs in it), the Postgres
+//! server's, the load generator's (wrk or pgbench, this process's children) and every CPU's,
+//! so a run can say what a command cost in CPU as well as how many ran, and where. On a
+//! machine whose disk or neighbours move the rate from run to run, the CPU per command moves
+//! less.
 
 use std::time::Duration;
 
-/// CPU time used so far: by this process, and by every CPU (busy time, not idle or I/O wait).
+/// CPU time used so far: by this process, by the Postgres server, by this process's children
+/// that have ended, and by every CPU (busy time, not idle or I/O wait).
 #[derive(Clone, Copy)]
 pub struct Cpu {
     process: Duration,
+    postgres: Duration,
+    children: Duration,
     machine: Duration,
 }
 
@@ -15,13 +20,20 @@ pub struct Cpu {
 #[derive(Clone, Copy)]
 pub struct PerCommand {
     pub host: f64,
+    /// Every `postgres` process: the backends, the server's own processes, and the backends
+    /// that ended in between.
+    pub postgres: f64,
+    /// Children of this process that ended in between: the load generator, run to its end.
+    pub load: f64,
     pub machine: f64,
 }
 
 impl Cpu {
     pub fn now() -> Cpu {
         Cpu {
-            process: process_time(),
+            process: rusage_time(libc::RUSAGE_SELF),
+            postgres: postgres_time(),
+            children: rusage_time(libc::RUSAGE_CHILDREN),
             machine: machine_busy_time(),
         }
     }
@@ -32,21 +44,61 @@ impl Cpu {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / commands.max(1) as f64;
         PerCommand {
             host: per(now.process.saturating_sub(self.process)),
+            postgres: per(now.postgres.saturating_sub(self.postgres)),
+            load: per(now.children.saturating_sub(self.children)),
             machine: per(now.machine.saturating_sub(self.machine)),
         }
     }
 }
 
-/// User and system time of this process (all its threads).
-fn process_time() -> Duration {
+/// User and system time of this process (all its threads), or of its children that have
+/// ended and been waited for.
+fn rusage_time(who: libc::c_int) -> Duration {
     // SAFETY: `getrusage` writes into the zeroed struct it is given, and nothing else.
     let usage = unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        libc::getrusage(who, &mut usage);
         usage
     };
     let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     time(usage.ru_utime) + time(usage.ru_stime)
+}
+
+/// User and system time of every process named `postgres`, with what its ended children
+/// used: the postmaster's ended children are the backends that have gone. From `/proc`, so
+/// it counts a server this process did not start as well; a suite runs against its own.
+fn postgres_time() -> Duration {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Duration::ZERO;
+    };
+    let ticks: u64 = dir
+        .flatten()
+        .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
+        .filter_map(|stat| postgres_ticks(&stat))
+        .sum();
+    from_ticks(ticks)
+}
+
+/// A process's user and system ticks with its ended children's, from its `/proc/<pid>/stat`,
+/// if it is a `postgres` process.
+fn postgres_ticks(stat: &str) -> Option<u64> {
+    // `pid (comm) state ppid …`: the name may hold spaces and parentheses, so fields count
+    // from its last `)`. After it, utime, stime, cutime and cstime are the 12th to 15th.
+    let (head, rest) = stat.rsplit_once(')')?;
+    head.ends_with(" (postgres").then(|| {
+        rest.split_whitespace()
+            .skip(11)
+            .take(4)
+            .filter_map(|v| v.parse::<u64>().ok())
+            .sum()
+    })
+}
+
+/// Clock ticks (`/proc`'s unit) as a duration.
+fn from_ticks(ticks: u64) -> Duration {
+    // SAFETY: `sysconf` has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_micros(ticks * 1_000_000 / hz)
 }
 
 /// Busy time of every CPU since boot, from `/proc/stat` (zero where there is none).
@@ -66,7 +118,22 @@ fn machine_busy_time() -> Duration {
         .filter(|(i, _)| *i != 3 && *i != 4)
         .filter_map(|(_, v)| v.parse::<u64>().ok())
         .sum();
-    // SAFETY: `sysconf` has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Duration::from_micros(ticks * 1_000_000 / hz)
+    from_ticks(ticks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::postgres_ticks;
+
+    #[test]
+    fn a_postgres_process_is_counted_with_its_ended_children() {
+        // utime 120, stime 30, cutime 1000, cstime 200 (the postmaster's ended backends).
+        let postmaster = "4242 (postgres) S 1 4242 4242 0 -1 4194560 900 7 0 0 120 30 1000 200 20 0 1 0";
+        assert_eq!(postgres_ticks(postmaster), Some(1350));
+        let named_with_spaces = "77 (a (postgres) x) R 1 77 77 0 -1 0 0 0 0 0 5 5 0 0 20 0 1 0";
+        assert_eq!(postgres_ticks(named_with_spaces), None);
+        let other = "99 (wrk) S 1 99 99 0 -1 0 0 0 0 0 500 100 0 0 20 0 1 0";
+        assert_eq!(postgres_ticks(other), None);
+        assert_eq!(postgres_ticks("garbage"), None);
+    }
 }

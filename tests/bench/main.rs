@@ -1088,11 +1088,12 @@ fn report_commands(duration: Duration, clients: usize, rounds: &[Round], keys: b
         rounds.len()
     );
     out!("Medians over the rounds; a ratio is the median of the rounds' own ratios.\n");
-    out!("| | commands/s | ratio to pgbench | CPU per command, every CPU, µs | of it the host process, µs |");
-    out!("| --- | ---: | ---: | ---: | ---: |");
+    out!("| | commands/s | ratio to pgbench | CPU per command, every CPU, µs | of it the host process, µs | Postgres, µs |");
+    out!("| --- | ---: | ---: | ---: | ---: | ---: |");
     out!(
-        "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | {:.0} | |",
-        med(&|r| r.pgbench.1.machine)
+        "| pgbench, the same SQL on the plugin's login (ceiling) | {pgbench:.0} | 1.00 | {:.0} | | {:.0} |",
+        med(&|r| r.pgbench.1.machine),
+        med(&|r| r.pgbench.1.postgres)
     );
     let wasm_label = if keys {
         "Wasm handler (orders plugin) through the dispatcher, each command with an Idempotency-Key"
@@ -1105,11 +1106,12 @@ fn report_commands(duration: Duration, clients: usize, rounds: &[Round], keys: b
     ] {
         let run = |r: &Round| r.handler(wasm);
         out!(
-            "| {label} | {:.0} | {:.2} | {:.0} | {:.0} |",
+            "| {label} | {:.0} | {:.2} | {:.0} | {:.0} | {:.0} |",
             med(&|r| run(r).0),
             med(&|r| run(r).0 / r.pgbench.0),
             med(&|r| run(r).1.machine),
-            med(&|r| run(r).1.host)
+            med(&|r| run(r).1.host),
+            med(&|r| run(r).1.postgres)
         );
     }
     out!(
