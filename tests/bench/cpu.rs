@@ -24,6 +24,8 @@ pub struct PerCommand {
     /// that ended in between.
     pub postgres: f64,
     /// Children of this process that ended in between: the load generator, run to its end.
+    /// A Postgres server of this process that stops in between lands here too (its whole
+    /// life), so a window that restarts the server says nothing of its load generator.
     pub load: f64,
     pub machine: f64,
 }
@@ -64,34 +66,52 @@ fn rusage_time(who: libc::c_int) -> Duration {
     time(usage.ru_utime) + time(usage.ru_stime)
 }
 
-/// User and system time of every process named `postgres`, with what its ended children
-/// used: the postmaster's ended children are the backends that have gone. From `/proc`, so
-/// it counts a server this process did not start as well; a suite runs against its own.
+/// User and system time of the Postgres server this process started (a `postgres` child of
+/// this process, and the `postgres` processes that are its children), with what its ended
+/// children used: the postmaster's ended children are the backends that have gone. From
+/// `/proc`; another server on the machine (a system one, a test run's) is not counted.
 fn postgres_time() -> Duration {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Duration::ZERO;
     };
-    let ticks: u64 = dir
+    let processes: Vec<Postgres> = dir
         .flatten()
         .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
-        .filter_map(|stat| postgres_ticks(&stat))
-        .sum();
-    from_ticks(ticks)
+        .filter_map(|stat| postgres_process(&stat))
+        .collect();
+    from_ticks(server_ticks(&processes, std::process::id()))
 }
 
-/// A process's user and system ticks with its ended children's, from its `/proc/<pid>/stat`,
-/// if it is a `postgres` process.
-fn postgres_ticks(stat: &str) -> Option<u64> {
+/// One `postgres` process, from its `/proc/<pid>/stat`.
+#[derive(Debug, PartialEq)]
+struct Postgres {
+    pid: u32,
+    parent: u32,
+    /// User and system ticks, with its ended children's.
+    ticks: u64,
+}
+
+/// The `postgres` process a `/proc/<pid>/stat` line describes, if it is one.
+fn postgres_process(stat: &str) -> Option<Postgres> {
     // `pid (comm) state ppid …`: the name may hold spaces and parentheses, so fields count
-    // from its last `)`. After it, utime, stime, cutime and cstime are the 12th to 15th.
+    // from its last `)`. After it, the parent is the 2nd, and utime, stime, cutime and
+    // cstime are the 12th to 15th.
     let (head, rest) = stat.rsplit_once(')')?;
-    head.ends_with(" (postgres").then(|| {
-        rest.split_whitespace()
-            .skip(11)
-            .take(4)
-            .filter_map(|v| v.parse::<u64>().ok())
-            .sum()
-    })
+    let pid = head.strip_suffix(" (postgres")?.trim().parse().ok()?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let parent = fields.get(1)?.parse().ok()?;
+    let ticks = fields.get(11..15)?.iter().filter_map(|v| v.parse::<u64>().ok()).sum();
+    Some(Postgres { pid, parent, ticks })
+}
+
+/// Ticks of the servers whose postmaster is a child of `me`, and of their processes.
+fn server_ticks(processes: &[Postgres], me: u32) -> u64 {
+    let postmasters: Vec<u32> = processes.iter().filter(|p| p.parent == me).map(|p| p.pid).collect();
+    processes
+        .iter()
+        .filter(|p| p.parent == me || postmasters.contains(&p.parent))
+        .map(|p| p.ticks)
+        .sum()
 }
 
 /// Clock ticks (`/proc`'s unit) as a duration.
@@ -123,17 +143,34 @@ fn machine_busy_time() -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::postgres_ticks;
+    use super::{postgres_process, server_ticks, Postgres};
 
     #[test]
     fn a_postgres_process_is_counted_with_its_ended_children() {
         // utime 120, stime 30, cutime 1000, cstime 200 (the postmaster's ended backends).
-        let postmaster = "4242 (postgres) S 1 4242 4242 0 -1 4194560 900 7 0 0 120 30 1000 200 20 0 1 0";
-        assert_eq!(postgres_ticks(postmaster), Some(1350));
+        let postmaster = "4242 (postgres) S 10 4242 4242 0 -1 4194560 900 7 0 0 120 30 1000 200 20 0 1 0";
+        let backend = "4300 (postgres) S 4242 4242 4242 0 -1 0 0 0 0 0 70 10 0 0 20 0 1 0";
+        let elsewhere = "500 (postgres) S 1 500 500 0 -1 0 0 0 0 0 9000 900 0 0 20 0 1 0";
+        let parsed: Vec<Postgres> = [postmaster, backend, elsewhere]
+            .iter()
+            .map(|s| postgres_process(s).expect("a postgres process"))
+            .collect();
+        assert_eq!(
+            parsed[0],
+            Postgres {
+                pid: 4242,
+                parent: 10,
+                ticks: 1350
+            }
+        );
+        // The server started by process 10, not the one started by init.
+        assert_eq!(server_ticks(&parsed, 10), 1350 + 80);
         let named_with_spaces = "77 (a (postgres) x) R 1 77 77 0 -1 0 0 0 0 0 5 5 0 0 20 0 1 0";
-        assert_eq!(postgres_ticks(named_with_spaces), None);
-        let other = "99 (wrk) S 1 99 99 0 -1 0 0 0 0 0 500 100 0 0 20 0 1 0";
-        assert_eq!(postgres_ticks(other), None);
-        assert_eq!(postgres_ticks("garbage"), None);
+        assert_eq!(postgres_process(named_with_spaces), None);
+        assert_eq!(
+            postgres_process("99 (wrk) S 1 99 99 0 -1 0 0 0 0 0 500 100 0 0 20 0 1 0"),
+            None
+        );
+        assert_eq!(postgres_process("garbage"), None);
     }
 }

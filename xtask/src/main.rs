@@ -50,8 +50,9 @@ enum Task {
         args: Vec<String>,
     },
     /// Install tansu, the broker `test` also runs the Kafka tests against (once; about 11
-    /// minutes on 2 cores). `test` installs it when missing; CI installs it first, so that
-    /// building it does not count against the test step's time.
+    /// minutes on 2 cores), unless `test` would not start it (`KAFKA_BROKERS` or
+    /// `OBX_SKIP_EXTERNAL_BROKER` set). `test` installs it when missing; CI installs it first,
+    /// so that building it does not count against the test step's time.
     Broker,
     /// Run the fault-injection suite (release build); see docs/reliability.md.
     Chaos {
@@ -69,6 +70,8 @@ fn main() -> Result<()> {
     let root = workspace_root();
     match cli.command {
         Task::Plugins => build_plugins(&root).map(drop),
+        Task::Broker if std::env::var_os("OBX_SKIP_EXTERNAL_BROKER").is_some() => Ok(()),
+        Task::Broker if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) => Ok(()),
         Task::Broker => ensure_tansu(),
         Task::Test { args } => {
             ensure_postgres()?;
