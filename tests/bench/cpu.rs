@@ -20,8 +20,8 @@ pub struct Cpu {
 #[derive(Clone, Copy)]
 pub struct PerCommand {
     pub host: f64,
-    /// Every `postgres` process: the backends, the server's own processes, and the backends
-    /// that ended in between.
+    /// The Postgres server this process started: its backends and its own processes, and
+    /// the backends that ended in between.
     pub postgres: f64,
     /// Children of this process that ended in between: the load generator, run to its end.
     /// A Postgres server of this process that stops in between lands here too (its whole

@@ -200,6 +200,7 @@ fn budget(pgbench: f64, pgbench_postgres: f64, wrk: &cpu::PerCommand) {
         100.0 * outside / allowed,
         wrk.host
     );
+    let most = cpus as f64 * 1e6 / outside.max(1.0);
     out!(
         "At this run's cost per command outside the host, even a host that took no CPU at all \
          could serve {:.0} commands/s here, {:.2}× pgbench. Per command, Postgres ran {:.1}× the \
@@ -208,8 +209,8 @@ fn budget(pgbench: f64, pgbench_postgres: f64, wrk: &cpu::PerCommand) {
          pgbench's figure has only the part of the consumer's and relay's work for its events \
          done during its run. pgbench runs first, so what its inserts leave Postgres to do \
          (autovacuum, a checkpoint) falls in wrk's run.\n",
-        cpus as f64 * 1e6 / outside.max(1.0),
-        cpus as f64 * 1e6 / outside.max(1.0) / pgbench,
+        most,
+        most / pgbench,
         wrk.postgres / pgbench_postgres.max(1.0)
     );
 }

@@ -910,7 +910,7 @@ async fn closed_loop(base: &str, clients: usize, duration: Duration) -> Result<(
     Ok((total, started.elapsed()))
 }
 
-/// Sends CreateOrder at a fixed rate for `duration`, whatever the latency; returns how many.
+/// Sends CreateOrder at a fixed rate for `duration`, whatever the latency; returns how many, and how many failed.
 async fn open_loop(base: &str, rate: u32, duration: Duration) -> Result<Sent> {
     let body = json!({ "customerId": "c-rate", "amount": 10 });
     open_loop_with(&format!("{base}/v1/commands/orders/CreateOrder"), body, rate, duration).await
